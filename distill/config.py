@@ -1,0 +1,457 @@
+"""Recipe schema: nested dataclasses loaded from YAML, with dotted command-line overrides.
+
+A recipe is plain data. ``load_recipe(path, ["train.lr=1e-4"])`` reads the YAML with ``yaml.safe_load``,
+applies the overrides, coerces every value to its field's type, runs the range checks in each
+``__post_init__`` and rejects unknown keys with the valid names and the closest match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A recipe or override is wrong; the message names the key and the fix (printed as one line)."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with a help string (shown by --print-config comments and the docs)."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise RecipeError(f"{key}: {msg}")
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class QuantConfig:
+    """bitsandbytes quantization, the same names as transformers' BitsAndBytesConfig."""
+
+    load_in_4bit: bool = _f(False, "load weights in 4-bit (bitsandbytes)")
+    load_in_8bit: bool = _f(False, "load weights in 8-bit (bitsandbytes LLM.int8)")
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = _f("nf4", "4-bit data type")
+    bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] = _f("bfloat16", "matmul dtype for 4-bit")
+    bnb_4bit_use_double_quant: bool = _f(False, "quantize the quantization constants too")
+
+    def __post_init__(self) -> None:
+        _check(not (self.load_in_4bit and self.load_in_8bit), "quantization", "choose load_in_4bit or load_in_8bit")
+
+    @property
+    def enabled(self) -> bool:
+        return self.load_in_4bit or self.load_in_8bit
+
+
+@dataclass
+class LoraConfig:
+    """peft LoRA on the draft; with draft.quantization.load_in_4bit this is QLoRA."""
+
+    enabled: bool = _f(False, "train LoRA adapters instead of all weights")
+    r: int = _f(16, "adapter rank")
+    alpha: int = _f(32, "adapter scaling numerator (scale = alpha / r)")
+    dropout: float = _f(0.05, "dropout on the adapter input")
+    target_modules: list[str] = _f(["all-linear"], "module names to adapt, or ['all-linear']")
+
+    def __post_init__(self) -> None:
+        _check(self.r > 0, "lora.r", f"must be > 0, got {self.r}")
+        _check(0.0 <= self.dropout < 1.0, "lora.dropout", f"must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class ModelConfig:
+    """A model to load: the frozen target or the trained draft."""
+
+    model: str = _f("", "local path or Hugging Face hub id")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "weights dtype (auto: fp32 on CPU, bf16 on GPU)")
+    revision: str | None = _f(None, "hub revision (branch, tag or commit)")
+    trust_remote_code: bool = _f(False, "allow custom modelling code from the hub")
+    attn_implementation: str | None = _f(None, "eager | sdpa | flash_attention_2 (None: transformers' default)")
+    quantization: QuantConfig = field(default_factory=QuantConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from (DESIGN.md prompt-file format, or a datasets dataset)."""
+
+    train_prompts: str = _f("", "JSONL prompt file, local datasets dir, or hub dataset id")
+    eval_prompts: str = _f("", "JSONL prompt file for evaluation; empty: split off train_prompts")
+    eval_split: float = _f(0.05, "fraction of train_prompts held out for eval when eval_prompts is empty")
+    dataset_split: str = _f("train", "split name when train_prompts is a datasets dataset")
+    prompt_field: str = _f("prompt", "text field for raw prompts ('messages' is detected automatically)")
+    max_prompt_tokens: int = _f(192, "prompts are left-truncated to this many tokens")
+    max_train_prompts: int = _f(0, "use at most this many training prompts (0: all)")
+    apply_chat_template: bool = _f(True, "apply the tokenizer's chat template to 'messages' prompts")
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.eval_split < 1.0, "data.eval_split", f"must be in [0, 1), got {self.eval_split}")
+        _check(self.max_prompt_tokens > 0, "data.max_prompt_tokens", "must be > 0")
+
+
+@dataclass
+class DistillConfig:
+    """The divergence and where the training sequences come from (DistillSpec / GKD)."""
+
+    loss: Literal["fkl", "rkl", "jsd", "tvd"] = _f("fkl", "forward KL, reverse KL, generalized JSD(beta), TVD")
+    beta: float = _f(0.5, "JSD interpolation: 0 = forward KL, 1 = reverse KL")
+    temperature: float = _f(1.0, "softmax temperature applied to both models' logits in the loss")
+    top_k: int = _f(0, "keep the teacher's top-k logits only (memory on big vocabularies; 0: full)")
+    source: Literal["fixed", "target", "draft", "mix"] = _f(
+        "target", "training sequences: dataset completions, target-generated, on-policy draft, or mix"
+    )
+    mix_lambda: float = _f(0.5, "source=mix: probability that a batch is draft-generated (on-policy)")
+    completion_field: str = _f("completion", "source=fixed: the dataset field holding the completion")
+    max_new_tokens: int = _f(64, "length of generated continuations")
+    gen_temperature: float = _f(1.0, "sampling temperature for generated continuations")
+    cache_rollouts: bool = _f(True, "source=target: cache target continuations on disk and reuse them")
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.beta <= 1.0, "distill.beta", f"must be in [0, 1], got {self.beta}")
+        _check(self.temperature > 0, "distill.temperature", f"must be > 0, got {self.temperature}")
+        _check(0.0 <= self.mix_lambda <= 1.0, "distill.mix_lambda", f"must be in [0, 1], got {self.mix_lambda}")
+        _check(self.max_new_tokens > 0, "distill.max_new_tokens", "must be > 0")
+        _check(self.top_k >= 0, "distill.top_k", "must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation: the accelerate loop."""
+
+    lr: float = _f(1e-4, "peak learning rate (AdamW)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    warmup_steps: int = _f(10, "linear warm-up steps before the cosine decay")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = _f("cosine", "schedule after warm-up")
+    max_steps: int = _f(200, "optimizer steps")
+    max_minutes: float = _f(0.0, "wall-clock budget for training in minutes (0: none)")
+    batch_size: int = _f(8, "prompts per process per micro-batch")
+    grad_accum: int = _f(1, "micro-batches per optimizer step")
+    max_grad_norm: float = _f(1.0, "gradient clipping norm (0: off)")
+    mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "accelerate mixed precision")
+    gradient_checkpointing: bool = _f(False, "trade compute for activation memory on the draft")
+    seed: int = _f(0, "seed for data order, sampling and init")
+    save_every: int = _f(0, "steps between resume checkpoints (0: at each eval)")
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        _check(self.max_steps > 0, "train.max_steps", f"must be > 0, got {self.max_steps}")
+        _check(self.batch_size > 0, "train.batch_size", f"must be > 0, got {self.batch_size}")
+        _check(self.grad_accum > 0, "train.grad_accum", f"must be > 0, got {self.grad_accum}")
+        _check(self.max_minutes >= 0, "train.max_minutes", "must be >= 0")
+
+
+@dataclass
+class EvalConfig:
+    """The speculative-decoding bench run at step 0, every `every` steps and at the end."""
+
+    every: int = _f(50, "optimizer steps between evaluations")
+    num_prompts: int = _f(16, "eval prompts used per evaluation")
+    max_new_tokens: int = _f(64, "new tokens per eval prompt")
+    temperature: float = _f(0.0, "0 = greedy; >0 samples (lossless either way)")
+    top_p: float = _f(1.0, "nucleus sampling for eval decoding")
+    top_k: int = _f(0, "top-k sampling for eval decoding (0: off)")
+    num_draft_tokens: int | str = _f(4, "gamma, or 'auto'")
+    batch_size: int = _f(1, "eval decoding batch size")
+    repeats: int = _f(1, "timing repeats per evaluation (median)")
+    keep_top_k: int = _f(2, "checkpoints kept, ranked by measured speedup (ties: acceptance)")
+
+    def __post_init__(self) -> None:
+        _check(self.every > 0, "eval.every", f"must be > 0, got {self.every}")
+        _check(self.num_prompts > 0, "eval.num_prompts", "must be > 0")
+        _check(self.temperature >= 0, "eval.temperature", "must be >= 0")
+        _check(
+            self.num_draft_tokens == "auto" or (isinstance(self.num_draft_tokens, int) and self.num_draft_tokens > 0),
+            "eval.num_draft_tokens",
+            f"must be a positive int or 'auto', got {self.num_draft_tokens!r}",
+        )
+        _check(self.keep_top_k > 0, "eval.keep_top_k", "must be > 0")
+
+
+@dataclass
+class LogConfig:
+    """Trackers (accelerate `log_with`)."""
+
+    report_to: Literal["wandb", "tensorboard", "none"] = _f("wandb", "tracker")
+    project: str = _f("draftsmith", "W&B project")
+    run_name: str | None = _f(None, "run name (default: output_dir's name)")
+    every: int = _f(5, "optimizer steps between train metric logs")
+
+
+@dataclass
+class PublishConfig:
+    """Publish best/ to the Hub at the end of train/distill.py."""
+
+    push_to_hub: bool = _f(False, "push best/ with train/publish.py when training ends")
+    repo_id: str | None = _f(None, "USER/NAME on the Hub")
+    private: bool = _f(False, "create the repo private")
+
+
+@dataclass
+class Recipe:
+    """A distillation run (train/distill.py)."""
+
+    target: ModelConfig = field(default_factory=ModelConfig)
+    draft: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    output_dir: str = _f("runs/distill", "run directory")
+    build_pair: str | None = _f(None, "local pair to build when target/draft are missing: 'quickstart'")
+
+    def __post_init__(self) -> None:
+        _check(bool(self.output_dir), "output_dir", "must not be empty")
+        if self.publish.push_to_hub:
+            _check(bool(self.publish.repo_id), "publish.repo_id", "set USER/NAME when publish.push_to_hub is true")
+
+
+# ---------------------------------------------------------------- pretraining (train/pretrain.py)
+
+
+@dataclass
+class ArchConfig:
+    """The architecture of a model trained from scratch: any transformers config class."""
+
+    config_class: str = _f("LlamaConfig", "transformers config class name, e.g. LlamaConfig, Qwen2Config")
+    hidden_size: int = _f(256, "model width")
+    num_hidden_layers: int = _f(4, "layers")
+    num_attention_heads: int = _f(4, "attention heads")
+    intermediate_size: int = _f(704, "MLP width")
+    max_position_embeddings: int = _f(2048, "context length the model accepts")
+    tie_word_embeddings: bool = _f(True, "share input and output embeddings")
+    extra: dict[str, Any] = _f({}, "other config kwargs passed through to the config class")
+
+    def __post_init__(self) -> None:
+        _check(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size", "must divide by heads")
+
+
+@dataclass
+class CorpusConfig:
+    """Text to pretrain on."""
+
+    source: str = _f("python-stdlib", "python-stdlib | folder | glob | file.jsonl | datasets path or hub id")
+    text_field: str = _f("text", "field holding the text in JSONL / datasets corpora")
+    holdout_fraction: float = _f(0.1, "fraction of files held out (chosen by a hash of the path)")
+    max_files: int = _f(0, "use at most this many files (0: all)")
+
+    def __post_init__(self) -> None:
+        _check(0.0 < self.holdout_fraction < 0.5, "corpus.holdout_fraction", "must be in (0, 0.5)")
+
+
+@dataclass
+class TokenizerConfig:
+    """An existing tokenizer, or a byte-level BPE trained on the corpus."""
+
+    path: str | None = _f(None, "tokenizer dir or hub id; None trains a byte-level BPE")
+    vocab_size: int = _f(8192, "vocabulary size of a trained tokenizer")
+
+    def __post_init__(self) -> None:
+        _check(self.vocab_size >= 260, "tokenizer.vocab_size", "must be >= 260 (256 bytes + specials)")
+
+
+@dataclass
+class PretrainTrainConfig:
+    """Optimisation for pretraining."""
+
+    lr: float = _f(3e-3, "peak learning rate (AdamW)")
+    weight_decay: float = _f(0.1, "AdamW weight decay")
+    warmup_steps: int = _f(20, "linear warm-up steps")
+    max_steps: int = _f(400, "optimizer steps")
+    max_minutes: float = _f(0.0, "wall-clock budget in minutes (0: none); the cosine schedule is fitted to it")
+    batch_size: int = _f(16, "sequences per step")
+    seq_len: int = _f(256, "packed sequence length")
+    max_grad_norm: float = _f(1.0, "gradient clipping norm")
+    seed: int = _f(0, "seed")
+    eval_windows: int = _f(80, "held-out windows for the final held-out loss")
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "train.lr", "must be > 0")
+        _check(self.max_steps > 0, "train.max_steps", "must be > 0")
+        _check(self.seq_len > 1, "train.seq_len", "must be > 1")
+
+
+@dataclass
+class PretrainRecipe:
+    """Train a causal LM from scratch (train/pretrain.py)."""
+
+    model: ArchConfig = field(default_factory=ArchConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    train: PretrainTrainConfig = field(default_factory=PretrainTrainConfig)
+    log: LogConfig = field(default_factory=lambda: LogConfig(report_to="none"))
+    output_dir: str = _f("runs/pretrain", "where the HF checkpoint is written")
+
+
+# ---------------------------------------------------------------- loading
+
+T = TypeVar("T")
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Coerce a YAML / command-line value to the annotated type, or raise one clear RecipeError."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except RecipeError as e:
+                errors.append(str(e))
+        raise RecipeError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+    if origin is Literal:
+        if value in args:
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise RecipeError(f"{key}: {value!r} is not one of {', '.join(repr(a) for a in args)}{hint}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise RecipeError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise RecipeError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise RecipeError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise RecipeError(f"{key}: expected a string, got {value!r}")
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise RecipeError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0] if args else Any, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    return value
+
+
+def _build(cls: type[T], data: Any, prefix: str = "") -> T:
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys with the valid names."""
+    where = prefix or "recipe"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: expected a mapping of keys, got {data!r}")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise RecipeError(f"unknown key {full!r}.{hint} Valid keys in {where}: {', '.join(names)}")
+        kwargs[key] = _coerce(value, hints[key], full)
+    try:
+        return cls(**kwargs)
+    except RecipeError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise RecipeError(f"{where}: {e}") from None
+
+
+def _parse_scalar(text: str) -> Any:
+    """`train.lr=1e-4` -> 1e-4: YAML scalars, so `null`, `true`, lists `[a, b]` work as in the file."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=value` overrides to a nested dict (in place) and return it."""
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r} is not key=value (e.g. train.lr=1e-4)")
+        dotted, raw = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"override {dotted!r}: {part!r} is not a section")
+        node[parts[-1]] = _parse_scalar(raw)
+    return data
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = (), cls: type[T] = Recipe) -> T:
+    """Read a YAML recipe (or the defaults when path is None), apply overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise RecipeError(f"recipe {str(path)!r} not found; pass an existing YAML file to --recipe")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise RecipeError(f"recipe {str(path)!r} is not valid YAML{where}: fix the syntax") from None
+    return _build(cls, apply_overrides(data, list(overrides)))
+
+
+def to_dict(recipe: Any) -> dict:
+    """The recipe as plain data (for YAML, W&B config, model cards)."""
+    return dataclasses.asdict(recipe)
+
+
+def dump_recipe(recipe: Any) -> str:
+    """The resolved recipe as YAML text."""
+    return yaml.safe_dump(to_dict(recipe), sort_keys=False)
+
+
+def save_recipe(recipe: Any, directory: str | Path, name: str = "resolved_recipe.yaml") -> Path:
+    """Write the resolved recipe into `directory` (created if needed)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / name
+    out.write_text(dump_recipe(recipe))
+    return out

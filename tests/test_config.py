@@ -1,0 +1,111 @@
+"""Recipe system: YAML in, dotted overrides, type coercion, unknown keys rejected with a suggestion."""
+
+import pytest
+import yaml
+
+from distill.config import PretrainRecipe, Recipe, RecipeError, dump_recipe, load_recipe, save_recipe
+
+
+def write(tmp_path, text):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_load():
+    recipe = load_recipe(None)
+    assert isinstance(recipe, Recipe)
+    assert recipe.distill.loss == "fkl"
+    assert recipe.eval.num_draft_tokens == 4
+
+
+def test_yaml_and_overrides_coerce_types(tmp_path):
+    path = write(tmp_path, "train:\n  lr: 2.0e-4\n  max_steps: 10\ndistill:\n  loss: jsd\n")
+    recipe = load_recipe(
+        path,
+        [
+            "train.lr=1e-3",
+            "train.max_steps=20",
+            "eval.num_draft_tokens=auto",
+            "eval.temperature=0.8",
+            "target.quantization.load_in_4bit=true",
+            "draft.lora.target_modules=[q_proj,v_proj]",
+            "log.run_name=null",
+        ],
+    )
+    assert recipe.train.lr == 1e-3 and isinstance(recipe.train.lr, float)
+    assert recipe.train.max_steps == 20 and isinstance(recipe.train.max_steps, int)
+    assert recipe.distill.loss == "jsd"
+    assert recipe.eval.num_draft_tokens == "auto"
+    assert recipe.eval.temperature == 0.8
+    assert recipe.target.quantization.load_in_4bit is True
+    assert recipe.draft.lora.target_modules == ["q_proj", "v_proj"]
+    assert recipe.log.run_name is None
+
+
+def test_int_field_accepts_whole_float_and_rejects_fraction():
+    assert load_recipe(None, ["train.max_steps=5.0"]).train.max_steps == 5
+    with pytest.raises(RecipeError, match="train.max_steps: expected an integer"):
+        load_recipe(None, ["train.max_steps=5.5"])
+
+
+def test_unknown_key_names_valid_keys_and_closest_match(tmp_path):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(write(tmp_path, "train:\n  lrr: 1.0e-4\n"))
+    message = str(err.value)
+    assert "unknown key 'train.lrr'" in message
+    assert "Did you mean 'lr'?" in message
+    assert "max_steps" in message  # the valid names are listed
+    assert "\n" not in message
+
+
+def test_unknown_section(tmp_path):
+    with pytest.raises(RecipeError, match="unknown key 'evaluation'.*Did you mean 'eval'"):
+        load_recipe(write(tmp_path, "evaluation:\n  every: 3\n"))
+
+
+@pytest.mark.parametrize(
+    "override, pattern",
+    [
+        ("train.lr=fast", "train.lr: expected a number"),
+        ("distill.loss=jds", "did you mean 'jsd'"),
+        ("distill.beta=1.5", r"distill.beta: must be in \[0, 1\]"),
+        ("eval.num_draft_tokens=0", "positive int or 'auto'"),
+        ("train.batch_size=0", "train.batch_size: must be > 0"),
+        ("target.quantization.load_in_4bit=maybe", "expected true or false"),
+        ("train.lr", "not key=value"),
+    ],
+)
+def test_bad_values_give_one_line_errors(override, pattern):
+    with pytest.raises(RecipeError, match=pattern) as err:
+        load_recipe(None, [override])
+    assert "\n" not in str(err.value)
+
+
+def test_both_quantizations_rejected():
+    with pytest.raises(RecipeError, match="load_in_4bit or load_in_8bit"):
+        load_recipe(None, ["target.quantization.load_in_4bit=true", "target.quantization.load_in_8bit=true"])
+
+
+def test_missing_and_invalid_yaml(tmp_path):
+    with pytest.raises(RecipeError, match="not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    with pytest.raises(RecipeError, match="not valid YAML at line"):
+        load_recipe(write(tmp_path, "train:\n  lr: [1, 2\n"))
+    with pytest.raises(RecipeError, match="expected a mapping"):
+        load_recipe(write(tmp_path, "train: 3\n"))
+
+
+def test_resolved_recipe_round_trips(tmp_path):
+    recipe = load_recipe(None, ["train.lr=3e-4", "eval.num_draft_tokens=auto", "distill.source=mix"])
+    out = save_recipe(recipe, tmp_path / "run")
+    assert out.name == "resolved_recipe.yaml"
+    assert load_recipe(out) == recipe
+    assert yaml.safe_load(dump_recipe(recipe))["train"]["lr"] == 3e-4
+
+
+def test_pretrain_schema_is_separate():
+    recipe = load_recipe(None, ["model.hidden_size=128", "corpus.source=python-stdlib"], cls=PretrainRecipe)
+    assert recipe.model.hidden_size == 128
+    with pytest.raises(RecipeError, match="unknown key 'distill'"):
+        load_recipe(None, ["distill.loss=fkl"], cls=PretrainRecipe)
