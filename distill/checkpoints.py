@@ -1,0 +1,174 @@
+"""Checkpoints: atomic writes, resume from the newest complete one, keep the top-k by measured speedup.
+
+A checkpoint directory is written under a temporary name and renamed when complete, so a run killed at any
+moment leaves either a whole `checkpoints/step-N/` or nothing under that name. Temporary leftovers
+(`.tmp-*`) are removed at the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STEP_RE = re.compile(r"^step-(\d+)$")
+TMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What selection needs to know about one evaluated checkpoint."""
+
+    step: int
+    speedup: float
+    acceptance_rate: float
+    loss: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "speedup": self.speedup, "acceptance_rate": self.acceptance_rate, "loss": self.loss}
+
+
+class DiskFullError(OSError):
+    """Raised (one line) when a checkpoint cannot be written for lack of space."""
+
+
+def disk_error_message(err: OSError, what: Path) -> str:
+    """One-line description of a write failure, naming the fix for the common cases."""
+    if err.errno == errno.ENOSPC:
+        return f"no space left on device while writing {what}: free disk space or set output_dir elsewhere"
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {what} ({os.strerror(err.errno)}): choose a writable output_dir"
+    return f"cannot write {what}: {err.strerror or err}"
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path, tmp_name: str | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling directory; rename it to `final` when the block succeeds.
+
+    On any error the temporary directory is removed and nothing appears under `final`. An existing `final`
+    is replaced only after the new one is complete. `tmp_name` lets several processes write into the same
+    temporary directory (accelerate's save_state writes one shard per rank); only the caller that owns the
+    rename should use this context manager in that case.
+    """
+    final = Path(final)
+    tmp = final.parent / (tmp_name or f"{TMP_PREFIX}{final.name}-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        replace_dir(tmp, final)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            raise DiskFullError(errno.ENOSPC, disk_error_message(err, final)) from None
+        raise
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move a complete directory into place, replacing `dst` if it exists (old one removed after the swap)."""
+    old = None
+    if dst.exists():
+        old = dst.parent / f"{TMP_PREFIX}old-{dst.name}-{os.getpid()}"
+        os.replace(dst, old)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON through a temp file + rename, so readers never see half a file."""
+    path = Path(path)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise DiskFullError(err.errno, disk_error_message(err, path)) from None
+
+
+def clean_temporaries(directory: Path) -> list[Path]:
+    """Remove leftovers of interrupted writes (`.tmp-*`) in `directory`; return what was removed."""
+    removed = []
+    if Path(directory).is_dir():
+        for child in Path(directory).iterdir():
+            if child.name.startswith(TMP_PREFIX):
+                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+                removed.append(child)
+    return removed
+
+
+def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `ckpt_root` as (step, path), oldest first."""
+    found = []
+    if Path(ckpt_root).is_dir():
+        for child in Path(ckpt_root).iterdir():
+            match = STEP_RE.match(child.name)
+            if match and child.is_dir():
+                found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def newest_checkpoint(ckpt_root: Path, require: str = "state") -> tuple[int, Path] | None:
+    """The newest complete checkpoint that holds `require` (the resumable training state), or None."""
+    for step, path in reversed(list_checkpoints(ckpt_root)):
+        if (path / require).exists():
+            return step, path
+    return None
+
+
+def rank_key(info: CheckpointInfo) -> tuple[float, float, int]:
+    """Selection order: measured speedup, then acceptance, then the later step. Never the loss."""
+    return (info.speedup, info.acceptance_rate, info.step)
+
+
+def select_best(infos: list[CheckpointInfo]) -> CheckpointInfo:
+    """The checkpoint with the highest measured speedup (ties: acceptance, then the later step)."""
+    if not infos:
+        raise ValueError("no evaluated checkpoints to select from")
+    return max(infos, key=rank_key)
+
+
+def steps_to_keep(infos: list[CheckpointInfo], keep_top_k: int, newest_step: int | None) -> set[int]:
+    """Steps whose directories stay: the top-k by measured speedup, plus the newest (needed to resume)."""
+    ranked = sorted(infos, key=rank_key, reverse=True)[:keep_top_k]
+    keep = {info.step for info in ranked}
+    if newest_step is not None:
+        keep.add(newest_step)
+    return keep
+
+
+def prune_checkpoints(ckpt_root: Path, keep: set[int]) -> list[int]:
+    """Delete checkpoint directories whose step is not in `keep`; return the deleted steps."""
+    deleted = []
+    for step, path in list_checkpoints(ckpt_root):
+        if step not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(step)
+    return deleted
+
+
+def load_infos(ckpt_root: Path) -> list[CheckpointInfo]:
+    """Read every complete checkpoint's eval.json back (for resume and report.json)."""
+    infos = []
+    for step, path in list_checkpoints(ckpt_root):
+        eval_file = path / "eval.json"
+        if eval_file.is_file():
+            data = json.loads(eval_file.read_text())
+            infos.append(
+                CheckpointInfo(
+                    step=step,
+                    speedup=float(data["speedup"]["vs_target"]),
+                    acceptance_rate=float(data["acceptance_rate"]),
+                    loss=data.get("train_loss"),
+                )
+            )
+    return infos
