@@ -48,6 +48,20 @@ def disk_error_message(err: OSError, what: Path) -> str:
     return f"cannot write {what}: {err.strerror or err}"
 
 
+def as_disk_error(err: BaseException, what: Path) -> DiskFullError | None:
+    """The one-line DiskFullError for a failed write, or None when `err` is not about the disk.
+
+    Writers outside Python's io (safetensors' Rust serializer) raise their own types; they still report the
+    OS error text, and a nearly full disk confirms it.
+    """
+    if isinstance(err, OSError) and err.errno is not None:
+        return DiskFullError(err.errno, disk_error_message(err, what))
+    text = str(err)
+    if "No space left" in text or "os error 28" in text:
+        return DiskFullError(errno.ENOSPC, disk_error_message(OSError(errno.ENOSPC, "no space"), what))
+    return None
+
+
 @contextlib.contextmanager
 def atomic_dir(final: Path, tmp_name: str | None = None) -> Iterator[Path]:
     """Yield a temporary sibling directory; rename it to `final` when the block succeeds.
@@ -67,8 +81,9 @@ def atomic_dir(final: Path, tmp_name: str | None = None) -> Iterator[Path]:
         replace_dir(tmp, final)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-            raise DiskFullError(errno.ENOSPC, disk_error_message(err, final)) from None
+        disk = as_disk_error(err, final)
+        if disk is not None and disk.errno == errno.ENOSPC:
+            raise disk from None
         raise
 
 

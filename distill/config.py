@@ -75,7 +75,9 @@ class ModelConfig:
     """A model to load: the frozen target or the trained draft."""
 
     model: str = _f("", "local path or Hugging Face hub id")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "weights dtype (auto: fp32 on CPU, bf16 on GPU)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
+        "auto", "weights dtype (auto: fp32 on CPU, bf16 on GPU for the target; a fully trained draft stays fp32)"
+    )
     revision: str | None = _f(None, "hub revision (branch, tag or commit)")
     trust_remote_code: bool = _f(False, "allow custom modelling code from the hub")
     attn_implementation: str | None = _f(None, "eager | sdpa | flash_attention_2 (None: transformers' default)")
@@ -116,6 +118,7 @@ class DistillConfig:
     completion_field: str = _f("completion", "source=fixed: the dataset field holding the completion")
     max_new_tokens: int = _f(64, "length of generated continuations")
     gen_temperature: float = _f(1.0, "sampling temperature for generated continuations")
+    num_draft_tokens: int | str = _f(4, "gamma of the speculative decoder that generates target rollouts, or 'auto'")
     cache_rollouts: bool = _f(True, "source=target: cache target continuations on disk and reuse them")
 
     def __post_init__(self) -> None:
@@ -124,6 +127,11 @@ class DistillConfig:
         _check(0.0 <= self.mix_lambda <= 1.0, "distill.mix_lambda", f"must be in [0, 1], got {self.mix_lambda}")
         _check(self.max_new_tokens > 0, "distill.max_new_tokens", "must be > 0")
         _check(self.top_k >= 0, "distill.top_k", "must be >= 0")
+        _check(
+            self.num_draft_tokens == "auto" or (isinstance(self.num_draft_tokens, int) and self.num_draft_tokens > 0),
+            "distill.num_draft_tokens",
+            f"must be a positive int or 'auto', got {self.num_draft_tokens!r}",
+        )
 
 
 @dataclass
@@ -215,6 +223,7 @@ class Recipe:
 
     def __post_init__(self) -> None:
         _check(bool(self.output_dir), "output_dir", "must not be empty")
+        _check(not self.target.lora.enabled, "target.lora.enabled", "the target is frozen; put LoRA on the draft")
         if self.publish.push_to_hub:
             _check(bool(self.publish.repo_id), "publish.repo_id", "set USER/NAME when publish.push_to_hub is true")
 

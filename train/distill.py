@@ -33,6 +33,8 @@ from tqdm.auto import tqdm  # noqa: E402
 from distill.checkpoints import (  # noqa: E402
     CheckpointInfo,
     DiskFullError,
+    as_disk_error,
+    atomic_dir,
     clean_temporaries,
     disk_error_message,
     newest_checkpoint,
@@ -161,18 +163,26 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
 
     # ---- models
     with accelerator.main_process_first():
-        tokenizer = models.load_tokenizer(recipe.target.model, recipe.target)
+        tokenizer = models.load_tokenizer(recipe.target.model, recipe.target, key="target.model")
         target = models.load_target(recipe.target, device=accelerator.device)
-        draft = models.load_draft(recipe.draft, device=accelerator.device)
-    models.check_compatible(target, draft, tokenizer, models.load_tokenizer(recipe.draft.model, recipe.draft))
-    if recipe.train.gradient_checkpointing:
-        draft.gradient_checkpointing_enable()
+        draft = models.load_draft(
+            recipe.draft, device=accelerator.device, gradient_checkpointing=recipe.train.gradient_checkpointing
+        )
+        draft_tokenizer = models.load_tokenizer(recipe.draft.model, recipe.draft, key="draft.model")
+    vocab_size = models.check_compatible(target, draft, tokenizer, draft_tokenizer)
 
     # ---- data
     with accelerator.main_process_first():
-        train_rows, eval_rows = data.load_train_eval(recipe.data, tokenizer, seed=recipe.train.seed)
+        train_rows, eval_rows = data.load_train_eval(recipe.data)
     context = models.context_length(target, draft)
-    train_prompts = data.encode_prompts(train_rows, tokenizer, recipe.data, context, recipe.distill.max_new_tokens)
+    train_prompts = data.encode_prompts(
+        train_rows,
+        tokenizer,
+        recipe.data,
+        context,
+        recipe.distill.max_new_tokens,
+        completion_field=recipe.distill.completion_field if recipe.distill.source == "fixed" else None,
+    )
     eval_rows = eval_rows[: recipe.eval.num_prompts]
     if accelerator.is_main_process:
         print(f"data: {len(train_prompts)} training prompts, {len(eval_rows)} eval prompts, {world} process(es)")
@@ -199,7 +209,13 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
             if accelerator.is_main_process:
                 print(f"resumed from {path} (step {start_step})")
     source = rollouts.RolloutSource(
-        recipe.distill, target, tokenizer, cache_dir=out / "rollout_cache", seed=recipe.train.seed
+        recipe.distill,
+        target,
+        tokenizer,
+        cache_dir=out / "rollout_cache",
+        seed=recipe.train.seed,
+        process_index=rank,
+        num_draft_tokens=recipe.distill.num_draft_tokens,
     )
     if recipe.distill.source in ("target", "mix") and recipe.distill.cache_rollouts:
         source.pregenerate(
@@ -219,9 +235,12 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
             accelerator.save_state(str(tmp / "state"))
             if accelerator.is_main_process:
                 finish_checkpoint(accelerator.unwrap_model(draft), step, result, tmp)
-        except OSError as err:
+        except Exception as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise DiskFullError(err.errno, disk_error_message(err, ckpt_root / f"step-{step}")) from None
+            disk = as_disk_error(err, ckpt_root / f"step-{step}")
+            if disk is None:
+                raise
+            raise disk from None
         accelerator.wait_for_everyone()
 
     def evaluate_checkpoint(unwrapped: torch.nn.Module, step: int, loss: float | None, tmp: Path) -> dict:
@@ -261,7 +280,7 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
         infos = [CheckpointInfo(**h) for h in history]
         best = select_best(infos)
         if best.step == step:
-            models.export_best(unwrapped, out / "best", tokenizer, result, recipe)
+            export_best(final, out / "best")
         prune_checkpoints(ckpt_root, steps_to_keep(infos, recipe.eval.keep_top_k, newest_step=step))
 
     # ---- loop
@@ -271,75 +290,80 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
     draft.train()
     last_loss: float | None = None
     step = start_step
-    bar = tqdm(
+    with tqdm(
         total=recipe.train.max_steps, initial=start_step, desc="distill", disable=not accelerator.is_main_process
-    )
-    while step < recipe.train.max_steps:
-        t0 = time.perf_counter()
-        gen_s, n_tokens, loss_sum, agree_sum = 0.0, 0, 0.0, 0.0
-        for micro in range(recipe.train.grad_accum):
-            idx = batch_indices(step, micro, recipe.train, len(train_prompts), rank, world)
-            g0 = time.perf_counter()
-            pairs = source.sample(
-                [train_prompts[i] for i in idx],
-                idx,
-                accelerator.unwrap_model(draft),
-                step_generator(recipe.train.seed, step, rank),
-            )
-            gen_s += time.perf_counter() - g0
-            batch = data.collate_training(pairs, tokenizer.pad_token_id, device=accelerator.device)
-            with accelerator.accumulate(draft):
-                student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                with torch.no_grad():
-                    teacher = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                loss = losses.distill_loss(
-                    student,
-                    teacher,
-                    batch["loss_mask"],
-                    loss=recipe.distill.loss,
-                    beta=recipe.distill.beta,
-                    temperature=recipe.distill.temperature,
-                    top_k=recipe.distill.top_k,
+    ) as bar:
+        while step < recipe.train.max_steps:
+            t0 = time.perf_counter()
+            gen_s, n_tokens, loss_sum, agree_sum = 0.0, 0, 0.0, 0.0
+            for micro in range(recipe.train.grad_accum):
+                idx = batch_indices(step, micro, recipe.train, len(train_prompts), rank, world)
+                g0 = time.perf_counter()
+                try:
+                    pairs = source.sample(
+                        [train_prompts[i] for i in idx],
+                        accelerator.unwrap_model(draft),
+                        step_generator(recipe.train.seed, step, rank),
+                    )
+                except RuntimeError:
+                    check_weights_finite(draft, step, ckpt_root)  # diverged weights make sampling fail first
+                    raise
+                gen_s += time.perf_counter() - g0
+                batch = data.collate_training(pairs, tokenizer.pad_token_id, device=accelerator.device)
+                with accelerator.accumulate(draft):
+                    student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                    with torch.no_grad():
+                        teacher = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                    loss = losses.distill_loss(
+                        student,
+                        teacher,
+                        batch["loss_mask"],
+                        loss=recipe.distill.loss,
+                        beta=recipe.distill.beta,
+                        temperature=recipe.distill.temperature,
+                        top_k=recipe.distill.top_k,
+                        vocab_size=vocab_size,
+                    )
+                    check_finite(accelerator, loss, step, ckpt_root)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and recipe.train.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(draft.parameters(), recipe.train.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                n_tokens += int(batch["loss_mask"].sum())
+                loss_sum += float(loss.detach())
+                agree_sum += float(
+                    losses.top1_agreement(student.detach(), teacher, batch["loss_mask"], vocab_size=vocab_size)
                 )
-                check_finite(accelerator, loss, step, ckpt_root)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and recipe.train.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(draft.parameters(), recipe.train.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            n_tokens += int(batch["loss_mask"].sum())
-            loss_sum += float(loss.detach())
-            agree_sum += float(losses.top1_agreement(student.detach(), teacher, batch["loss_mask"]))
-        step += 1
-        bar.update(1)
-        elapsed = time.perf_counter() - t0
-        last_loss = loss_sum / recipe.train.grad_accum
-        tokens = int(accelerator.gather(torch.tensor([n_tokens], device=accelerator.device)).sum())
-        if step % recipe.log.every == 0 or step == recipe.train.max_steps:
-            metrics.log(
-                {
-                    "train/loss": accelerator.gather(torch.tensor([last_loss], device=accelerator.device))
-                    .mean()
-                    .item(),
-                    "train/lr": scheduler.get_last_lr()[0],
-                    "train/tokens_per_s": tokens / elapsed,
-                    "train/top1_agreement": agree_sum / recipe.train.grad_accum,
-                    "train/rollout_s": gen_s,
-                },
-                step=step,
-            )
-        bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tokens / elapsed:.0f}")
-        out_of_time = time_is_up(accelerator, timer)
-        if step % recipe.eval.every == 0 or step == recipe.train.max_steps or out_of_time:
-            evaluate_and_save(step, last_loss)
-        elif recipe.train.save_every and step % recipe.train.save_every == 0:
-            save_state_only(accelerator, ckpt_root, step, history)
-        if out_of_time:
-            if accelerator.is_main_process:
-                tqdm.write(f"train.max_minutes={recipe.train.max_minutes} reached at step {step}")
-            break
-    bar.close()
+            step += 1
+            bar.update(1)
+            elapsed = time.perf_counter() - t0
+            last_loss = loss_sum / recipe.train.grad_accum
+            tokens = int(accelerator.gather(torch.tensor([n_tokens], device=accelerator.device)).sum())
+            if step % recipe.log.every == 0 or step == recipe.train.max_steps:
+                metrics.log(
+                    {
+                        "train/loss": accelerator.gather(torch.tensor([last_loss], device=accelerator.device))
+                        .mean()
+                        .item(),
+                        "train/lr": scheduler.get_last_lr()[0],
+                        "train/tokens_per_s": tokens / elapsed,
+                        "train/top1_agreement": agree_sum / recipe.train.grad_accum,
+                        "train/rollout_s": gen_s,
+                    },
+                    step=step,
+                )
+            bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tokens / elapsed:.0f}")
+            out_of_time = time_is_up(accelerator, timer)
+            if step % recipe.eval.every == 0 or step == recipe.train.max_steps or out_of_time:
+                evaluate_and_save(step, last_loss)
+            elif recipe.train.save_every and step % recipe.train.save_every == 0:
+                save_state_only(accelerator, ckpt_root, step, history)
+            if out_of_time:
+                if accelerator.is_main_process:
+                    tqdm.write(f"train.max_minutes={recipe.train.max_minutes} reached at step {step}")
+                break
 
     # ---- save
     checksums = accelerator.gather(
@@ -355,14 +379,36 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
         print(f"published: {publish(out / 'best', recipe.publish.repo_id, private=recipe.publish.private)}")
 
 
+def export_best(checkpoint: Path, best: Path) -> None:
+    """best/ = the winning checkpoint's merged model, tokenizer, eval.json and recipe (no training state)."""
+    with atomic_dir(best) as tmp:
+        for item in checkpoint.iterdir():
+            if item.name in ("state", "trainer_state.json"):
+                continue
+            copy = shutil.copytree if item.is_dir() else shutil.copy2
+            copy(item, tmp / item.name)
+
+
+def check_weights_finite(model: torch.nn.Module, step: int, ckpt_root: Path) -> None:
+    """Name divergence as such when the draft's weights hold NaN or inf."""
+    if not all(torch.isfinite(p).all() for p in model.parameters() if p.requires_grad):
+        raise NonFiniteLoss(
+            f"the draft's weights became NaN or inf before step {step + 1}; last good checkpoint: "
+            f"{last_good(ckpt_root)}. Lower train.lr or enable train.max_grad_norm, then rerun with --resume"
+        )
+
+
+def last_good(ckpt_root: Path) -> str:
+    found = newest_checkpoint(ckpt_root)
+    return str(found[1]) if found else "none"
+
+
 def check_finite(accelerator, loss: torch.Tensor, step: int, ckpt_root: Path) -> None:
     """Stop on NaN/inf loss on any rank, naming the step and the last good checkpoint."""
     bad = accelerator.gather(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=loss.device)).sum()
     if bad > 0:
-        found = newest_checkpoint(ckpt_root)
-        last = f"{found[1]}" if found else "none"
         raise NonFiniteLoss(
-            f"loss is {float(loss)} at step {step + 1}; last good checkpoint: {last}. "
+            f"loss is {float(loss)} at step {step + 1}; last good checkpoint: {last_good(ckpt_root)}. "
             "Lower train.lr or check the data, then rerun with --resume"
         )
 

@@ -1,0 +1,154 @@
+"""``python -m decode bench``: time draftsmith's speculative decoder against its baselines.
+
+    python -m decode bench --target PATH_OR_ID --draft PATH_OR_ID --prompts FILE.jsonl \\
+        [--max-new-tokens 64] [--temperature 0] [--top-p 1.0] [--top-k 0] [--num-draft-tokens N|auto] \\
+        [--batch-size 1] [--limit N] [--repeats 3] [--seed 0] [--baselines target,hf] \\
+        [--json OUT] [--plot OUT.png] [--samples-out OUT.jsonl] [--dtype float32] [--device auto]
+
+Example (the reference pair, greedy, batch 1):
+
+    HF_HUB_OFFLINE=1 python -m decode bench --target ../shared/fixtures/stdlib-pair/target \\
+        --draft ../shared/fixtures/stdlib-pair/draft --prompts ../shared/data/stdlib-dev-prompts.jsonl \\
+        --limit 30 --num-draft-tokens auto --json /tmp/bench.json --plot /tmp/bench.png
+
+Errors in the inputs (missing or empty prompt file, vocabulary mismatch, prompt past the context) print one
+``error: ...`` line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _draft_tokens(value: str) -> int | str:
+    if value == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 or 'auto', got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 or 'auto', got {value!r}")
+    return n
+
+
+def _baselines(value: str) -> tuple[str, ...]:
+    names = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [n for n in names if n not in ("target", "hf")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown baseline(s) {bad}; choose from target, hf")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m decode", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="speculative decoding vs target-only vs HF assisted generation")
+    b.add_argument("--target", required=True, help="target model: local path or Hub id")
+    b.add_argument("--draft", required=True, help="draft model: local path or Hub id")
+    b.add_argument("--prompts", required=True, help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--num-draft-tokens", type=_draft_tokens, default=5, help="gamma, or 'auto' (adaptive)")
+    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    b.add_argument("--repeats", type=int, default=3, help="timed repeats per method; the median counts")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--baselines", type=_baselines, default=("target", "hf"), help="comma list of: target, hf")
+    b.add_argument("--json", dest="json_out", default=None, help="write the result object here")
+    b.add_argument("--plot", default=None, help="PNG: per-position acceptance and tokens/s per method")
+    b.add_argument("--samples-out", default=None, help="JSONL of every method's output per prompt")
+    b.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    b.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _load(path: str, dtype, device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot load {path!r}: {first}") from None
+    return model, tokenizer
+
+
+def plot(result: dict, out: str | Path) -> None:
+    """Two panels: per-position acceptance, and tokens/s per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    acc = result["per_position_acceptance"]
+    ax1.bar(range(1, len(acc) + 1), acc, color="tab:blue")
+    ax1.set(xlabel="draft position i", ylabel="P(accept i | < i accepted)", ylim=(0, 1))
+    ax1.set_title(f"acceptance {result['acceptance_rate']:.2f}, tau {result['mean_accepted_length']:.2f}")
+    rates = {k: v for k, v in result["tokens_per_s"].items() if v is not None}
+    ax2.bar(list(rates), list(rates.values()), color=["tab:green", "tab:gray", "tab:orange"][: len(rates)])
+    ax2.set(ylabel="tokens / s")
+    ax2.set_title(f"speedup vs target {result['speedup']['vs_target']:.2f}x" if result["speedup"]["vs_target"] else "")
+    fig.suptitle(f"{Path(result['target']).name} + {Path(result['draft']).name}, gamma {result['num_draft_tokens']}, "
+                 f"T={result['temperature']}, batch {result['batch_size']}", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def bench(args: argparse.Namespace) -> dict:
+    import torch
+
+    from decode.bench import load_prompts, run_bench
+    from decode.speculative import check_vocab_compatible
+
+    if not Path(args.prompts).is_file():
+        raise ValueError(f"prompt file not found: {args.prompts}")
+    device = (
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if args.device == "auto"
+        else torch.device(args.device)
+    )
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    target, target_tok = _load(args.target, dtype, device)
+    draft, draft_tok = _load(args.draft, dtype, device)
+    check_vocab_compatible(target, draft, target_tok, draft_tok)
+    prompts = load_prompts(args.prompts, tokenizer=target_tok)
+    if args.limit is not None:
+        prompts = prompts[: args.limit]
+    result = run_bench(
+        target, draft, target_tok, prompts, target_name=args.target, draft_name=args.draft,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size, repeats=args.repeats, seed=args.seed,
+        baselines=args.baselines, samples_out=args.samples_out, progress=not args.no_progress,
+    )  # fmt: skip
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = bench(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""Token-level divergences between the draft (student) and the target (teacher): pure functions of logits.
+
+Conventions (the same as TRL's GKD trainer and the GKD / DistillSpec papers):
+
+* ``p_T`` is the target's next-token distribution, ``p_S`` the draft's, both ``softmax(logits / temperature)``.
+* **forward KL** = KL(p_T || p_S) = sum p_T (log p_T - log p_S): mode-covering, the usual KD loss.
+* **reverse KL** = KL(p_S || p_T): mode-seeking.
+* **generalized JSD(beta)** = beta * KL(p_T || m) + (1 - beta) * KL(p_S || m) with m = beta p_T + (1 - beta) p_S.
+  As in TRL, the end points are defined as the limits of JSD(beta) / beta and JSD(beta) / (1 - beta):
+  beta = 0 *is* forward KL and beta = 1 *is* reverse KL. (The unscaled formula tends to 0 at both ends, so the
+  loss is discontinuous in scale there; for 0 < beta < 1 its value is bounded by log 2.)
+* **TVD** = 1/2 sum |p_T - p_S| = 1 - sum min(p_T, p_S), in [0, 1]. With equal sampling settings,
+  1 - TVD is exactly the speculative-decoding acceptance probability of a draft token at that position.
+
+Every loss is a mean over the positions where ``mask`` is non-zero, i.e. per completion token; padding and
+prompt positions cost nothing (not even compute: they are dropped before the softmax). ``mask`` is aligned with
+the *logits* positions: ``mask[b, t] = 1`` when ``logits[b, t]`` predicts a completion token (token t + 1),
+which is exactly the ``loss_mask`` that :func:`distill.data.collate_training` builds. An all-zero mask raises
+``ValueError``: a batch without a single completion token is always a bug upstream (typically padding masked
+by token id where pad == eos), and a silent 0 would hide it.
+
+Arithmetic is float32 whatever the logits' dtype (bf16 logits have ~3 significant digits; a KL of two nearly
+equal bf16 distributions is all rounding noise otherwise).
+
+Vocabularies: the target's embedding matrix is often padded beyond its tokenizer (Qwen2.5: 152064 rows for
+151665 tokens) and may be wider than the draft's. Both logits are sliced to the shared id range
+(``vocab_size``, from :func:`distill.models.check_compatible`, or the narrower of the two) before the softmax.
+
+Top-k teacher sparsification (``top_k > 0``): keep the teacher's k most likely ids per position and compute the
+divergence on k + 1 outcomes, those k ids plus one **tail bucket** holding all remaining probability mass, for
+both models (the student's probabilities are its full-vocabulary softmax gathered at the teacher's ids; the tail
+is 1 minus their sum). This is an exact coarsening of both distributions, so every divergence here is a lower
+bound of the full one (data-processing inequality), and the student still pays for mass it puts outside the
+teacher's top k — renormalising the student over the top-k ids instead would let it put any amount of mass
+elsewhere for free, which is exactly what costs acceptance in speculative decoding. The float32 work tensors are
+[tokens, k + 1] instead of [tokens, vocab]; only one full-width float32 copy of the student logits is kept for
+its backward pass. ``top_k >= vocab`` uses the full distributions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOSSES = ("fkl", "rkl", "jsd", "tvd")
+
+# Logits are floored here before the softmax so that -inf (masked) logits give p = 0 and a finite log p: the KL
+# terms p * (log p - log q) are then 0 instead of 0 * inf = nan. Real logits are never anywhere near it.
+_LOGIT_FLOOR = -1e4
+# Tail mass below this is treated as this (log = -69): its KL terms are then < 1e-28, i.e. zero in float32.
+_TAIL_FLOOR = 1e-30
+
+
+def _masked_logits(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, vocab_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select the masked positions and the shared vocabulary: [batch, seq, V_*] -> two [tokens, V]."""
+    if student_logits.dim() != 3 or teacher_logits.dim() != 3:
+        raise ValueError(
+            f"logits must be [batch, seq, vocab]; got student {tuple(student_logits.shape)}, "
+            f"teacher {tuple(teacher_logits.shape)}"
+        )
+    if student_logits.shape[:2] != teacher_logits.shape[:2] or tuple(mask.shape) != tuple(student_logits.shape[:2]):
+        raise ValueError(
+            f"shape mismatch: student {tuple(student_logits.shape)}, teacher {tuple(teacher_logits.shape)}, "
+            f"mask {tuple(mask.shape)}; expected [batch, seq, *] logits and a [batch, seq] mask"
+        )
+    shared = min(student_logits.shape[-1], teacher_logits.shape[-1])
+    if vocab_size is not None:
+        if not 0 < vocab_size <= shared:
+            raise ValueError(
+                f"vocab_size={vocab_size} must be in [1, {shared}] (student has {student_logits.shape[-1]} logits, "
+                f"teacher {teacher_logits.shape[-1]})"
+            )
+        shared = vocab_size
+    keep = mask.to(device=student_logits.device) != 0
+    if not bool(keep.any()):
+        raise ValueError(
+            "mask selects no completion tokens: every position is prompt or padding. Build the mask from "
+            "completion lengths (distill.data.collate_training), never by comparing token ids with pad_token_id"
+        )
+    return student_logits[keep][:, :shared], teacher_logits[keep][:, :shared]
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits / temperature, floored (see _LOGIT_FLOOR). [tokens, V] -> [tokens, V], a new tensor."""
+    return (logits.float() / temperature).clamp_(min=_LOGIT_FLOOR)  # in place on the fresh quotient: one copy
+
+
+def _log1mexp(a: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(a)) for a <= 0 (a probability's log), floored at log(_TAIL_FLOOR)."""
+    return torch.log((-torch.expm1(a)).clamp(min=_TAIL_FLOOR))
+
+
+def log_probs(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two distributions every loss compares, as float32 log-probabilities over the same outcomes.
+
+    Args:
+        student_logits: [batch, seq, V_s] draft logits (any float dtype; carries the gradient).
+        teacher_logits: [batch, seq, V_t] target logits (no gradient needed).
+        mask: [batch, seq], non-zero where the logits predict a completion token.
+        temperature: both logits are divided by it.
+        top_k: 0 for the full vocabulary, else the teacher's top-k ids plus a tail bucket (module docstring).
+        vocab_size: shared id range; None: the narrower of the two logits.
+
+    Returns:
+        (log p_S, log p_T), each [tokens, V] (full) or [tokens, top_k + 1] (top-k + tail), tokens = mask.sum().
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    student, teacher = _masked_logits(student_logits, teacher_logits, mask, vocab_size)
+    teacher = teacher.detach()
+    if top_k == 0 or top_k >= student.shape[-1]:
+        log_ps = torch.log_softmax(_scaled(student, temperature), -1)
+        return log_ps, torch.log_softmax(_scaled(teacher, temperature), -1)
+
+    # Teacher: top-k ids on the raw logits (scaling is monotonic), probabilities from its full softmax.
+    # The teacher's tail is summed directly over the other ids: 1 - sum(top k) would lose its relative precision
+    # when the top k hold nearly all the mass, and reverse KL weighs log p_T(tail) by the student's tail mass.
+    top_ids = teacher.topk(top_k, dim=-1).indices  # [tokens, k]
+    t_scaled = _scaled(teacher, temperature)  # [tokens, V], transient (no gradient)
+    t_lse = torch.logsumexp(t_scaled, -1, keepdim=True)  # [tokens, 1]
+    t_top = t_scaled.gather(-1, top_ids) - t_lse  # [tokens, k]
+    t_tail = torch.logsumexp(t_scaled.scatter(-1, top_ids, float("-inf")), -1, keepdim=True) - t_lse
+    del t_scaled
+    # Student: its full softmax normaliser (the one full-width float32 tensor kept for backward), gathered at
+    # the teacher's ids; its tail is 1 - their sum (absolute error ~1e-7, which only matters relative to a tail
+    # that small, where its KL terms are that small too).
+    s_lse = torch.logsumexp(_scaled(student, temperature), -1, keepdim=True)  # [tokens, 1]
+    s_top = _scaled(student.gather(-1, top_ids), temperature) - s_lse  # [tokens, k]
+    s_tail = _log1mexp(torch.logsumexp(s_top, -1, keepdim=True).clamp(max=0.0))
+    return torch.cat([s_top, s_tail], -1), torch.cat([t_top, t_tail], -1)
+
+
+# ---------------------------------------------------------------- per-token divergences of log-probabilities
+
+
+def _kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per row: [tokens, V] log-probs -> [tokens]."""
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def forward_kl_per_token(log_ps: torch.Tensor, log_pt: torch.Tensor) -> torch.Tensor:
+    """KL(p_T || p_S): [tokens, V] log-probs -> [tokens]."""
+    return _kl(log_pt, log_ps)
+
+
+def reverse_kl_per_token(log_ps: torch.Tensor, log_pt: torch.Tensor) -> torch.Tensor:
+    """KL(p_S || p_T): [tokens, V] log-probs -> [tokens]."""
+    return _kl(log_ps, log_pt)
+
+
+def jsd_per_token(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float) -> torch.Tensor:
+    """Generalized JSD(beta) (module docstring; 0 -> forward KL, 1 -> reverse KL): [tokens, V] -> [tokens]."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if beta == 0.0:
+        return forward_kl_per_token(log_ps, log_pt)
+    if beta == 1.0:
+        return reverse_kl_per_token(log_ps, log_pt)
+    # log m = log(beta p_T + (1 - beta) p_S), in log space (no exp/log round trip, no underflow)
+    log_m = torch.logaddexp(log_pt + math.log(beta), log_ps + math.log1p(-beta))
+    return beta * _kl(log_pt, log_m) + (1.0 - beta) * _kl(log_ps, log_m)
+
+
+def tvd_per_token(log_ps: torch.Tensor, log_pt: torch.Tensor) -> torch.Tensor:
+    """Total variation 1/2 sum |p_T - p_S|: [tokens, V] log-probs -> [tokens], in [0, 1]."""
+    return 0.5 * (log_pt.exp() - log_ps.exp()).abs().sum(-1)
+
+
+# ---------------------------------------------------------------- losses: [batch, seq, vocab] logits -> scalar
+
+
+def distill_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss: str = "fkl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """The recipe's divergence (``distill.loss``), averaged over completion tokens.
+
+    Args:
+        student_logits: [batch, seq, V_s] draft logits; the gradient flows through them.
+        teacher_logits: [batch, seq, V_t] target logits (detached here).
+        mask: [batch, seq] loss mask aligned with the logits (1 where the logits predict a completion token).
+        loss: "fkl" (KL(target || draft)), "rkl" (KL(draft || target)), "jsd" (generalized JSD(beta)), "tvd".
+        beta: JSD interpolation, 0 = forward KL, 1 = reverse KL; ignored by the other losses.
+        temperature: softmax temperature for both models (no T^2 factor: the loss is reported as is).
+        top_k: teacher top-k + tail bucket (0: full vocabulary).
+        vocab_size: shared id range (None: the narrower logits).
+
+    Returns:
+        0-dim float32 tensor: mean divergence per completion token.
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"loss {loss!r} is not one of {', '.join(LOSSES)}")
+    log_ps, log_pt = log_probs(
+        student_logits, teacher_logits, mask, temperature=temperature, top_k=top_k, vocab_size=vocab_size
+    )
+    if loss == "fkl":
+        per_token = forward_kl_per_token(log_ps, log_pt)
+    elif loss == "rkl":
+        per_token = reverse_kl_per_token(log_ps, log_pt)
+    elif loss == "jsd":
+        per_token = jsd_per_token(log_ps, log_pt, beta)
+    else:
+        per_token = tvd_per_token(log_ps, log_pt)
+    return per_token.mean()
+
+
+def forward_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """KL(p_target || p_draft) per completion token, mean. Logits [batch, seq, V], mask [batch, seq] -> scalar."""
+    return distill_loss(
+        student_logits, teacher_logits, mask, loss="fkl", temperature=temperature, top_k=top_k, vocab_size=vocab_size
+    )
+
+
+def reverse_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """KL(p_draft || p_target) per completion token, mean. Logits [batch, seq, V], mask [batch, seq] -> scalar."""
+    return distill_loss(
+        student_logits, teacher_logits, mask, loss="rkl", temperature=temperature, top_k=top_k, vocab_size=vocab_size
+    )
+
+
+def generalized_jsd(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Generalized JSD(beta) per completion token, mean (beta=0: forward KL, beta=1: reverse KL) -> scalar."""
+    return distill_loss(
+        student_logits,
+        teacher_logits,
+        mask,
+        loss="jsd",
+        beta=beta,
+        temperature=temperature,
+        top_k=top_k,
+        vocab_size=vocab_size,
+    )
+
+
+def tvd(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Total variation distance per completion token, mean, in [0, 1] -> scalar."""
+    return distill_loss(
+        student_logits, teacher_logits, mask, loss="tvd", temperature=temperature, top_k=top_k, vocab_size=vocab_size
+    )
+
+
+@torch.no_grad()
+def top1_agreement(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, *, vocab_size: int | None = None
+) -> torch.Tensor:
+    """Fraction of completion positions where the draft's argmax equals the target's (greedy acceptance proxy).
+
+    Logits [batch, seq, V_*], mask [batch, seq] -> 0-dim float32 tensor in [0, 1] (no gradient).
+    """
+    student, teacher = _masked_logits(student_logits, teacher_logits, mask, vocab_size)
+    return (student.argmax(-1) == teacher.argmax(-1)).float().mean()

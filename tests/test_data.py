@@ -1,0 +1,281 @@
+"""Prompt files, datasets, chat templates, splits, truncation and the two collations (masks from lengths)."""
+
+import json
+import logging
+
+import pytest
+import torch
+from conftest import DEV_PROMPTS, TRAIN_PROMPTS
+from transformers import PreTrainedTokenizerFast
+
+from distill.config import DataConfig
+from distill.data import (
+    collate_prompts,
+    collate_training,
+    encode_prompts,
+    load_rows,
+    load_train_eval,
+    read_jsonl,
+    render_completion,
+    render_prompt,
+    split_rows,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: thread hand-offs cost more than they save, and a shared 2-core box makes it far worse."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_tokenizer(bos: bool = False, chat: bool = False) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained in memory; id 0 = <|endoftext|> (eos, and pad once load_tokenizer ran)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    specials = ["<|endoftext|>", "<s>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tk.train_from_iterator(["def f(x):\n    return x + 1\n", "hello world, the quick brown fox"] * 5, trainer)
+    if bos:
+        tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        bos_token="<s>" if bos or chat else None,
+        additional_special_tokens=specials[2:],
+    )
+    if chat:
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+# ---------------------------------------------------------------- reading
+
+
+def test_read_jsonl_keeps_other_keys_and_skips_blank_lines(tmp_path):
+    f = _write(
+        tmp_path / "p.jsonl",
+        [
+            json.dumps({"id": "a", "source": "x.py:1", "prompt": "def f("}),
+            "",
+            json.dumps({"id": "b", "messages": [{"role": "user", "content": "hi"}]}),
+        ],
+    )
+    rows = read_jsonl(f)
+    assert [r["id"] for r in rows] == ["a", "b"]
+    assert rows[0]["source"] == "x.py:1"
+
+
+@pytest.mark.parametrize(
+    "lines,match",
+    [
+        ([], r"p.jsonl: no prompts \(the file is empty\)"),
+        (["", "  "], r"p.jsonl: no prompts"),
+        ([json.dumps({"prompt": "ok"}), '{"prompt": "broken'], r"p.jsonl:2: not valid JSON"),
+        ([json.dumps({"prompt": "ok"}), json.dumps({"text": "x"})], r"p.jsonl:2: needs a 'prompt' string.*text"),
+        ([json.dumps(["a list"])], r"p.jsonl:1: expected a JSON object"),
+        ([json.dumps({"messages": [{"role": "user"}]})], r"p.jsonl:1: messages\[0\] must be an object"),
+        ([json.dumps({"messages": []})], r"p.jsonl:1: 'messages' must be a non-empty list"),
+    ],
+    ids=["empty", "blank", "bad-json", "no-prompt", "not-object", "bad-message", "no-messages"],
+)
+def test_malformed_files_name_file_and_line(tmp_path, lines, match):
+    f = _write(tmp_path / "p.jsonl", lines)
+    with pytest.raises(ValueError, match=match) as e:
+        read_jsonl(f)
+    assert "\n" not in str(e.value)
+
+
+def test_load_rows_from_datasets(tmp_path, monkeypatch):
+    import datasets
+
+    rows = [{"prompt": f"p{i}", "id": i} for i in range(5)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    assert load_rows(str(tmp_path / "ds")) == rows
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:2])}
+    ).save_to_disk(str(tmp_path / "dd"))
+    assert load_rows(str(tmp_path / "dd"), split="test") == rows[:2]
+    with pytest.raises(ValueError, match="no split 'validation'.*data.dataset_split"):
+        load_rows(str(tmp_path / "dd"), split="validation")
+    datasets.Dataset.from_list([{"text": "x"}]).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(ValueError, match="row 0: needs a 'prompt' string"):
+        load_rows(str(tmp_path / "bad"))
+    assert load_rows(str(tmp_path / "bad"), prompt_field="text") == [{"text": "x"}]
+    (tmp_path / "rows.json").write_text("\n".join(json.dumps(r) for r in rows))  # JSON lines, read by datasets
+    assert load_rows(str(tmp_path / "rows.json"), split="validation") == rows  # one file: its only split
+    # a table holding both kinds of rows has both columns, None where a row has no value
+    mixed = [{"prompt": "raw", "messages": None}, {"prompt": None, "messages": [{"role": "user", "content": "hi"}]}]
+    datasets.Dataset.from_list(mixed).save_to_disk(str(tmp_path / "mixed"))
+    loaded = load_rows(str(tmp_path / "mixed"))
+    assert loaded[0]["messages"] is None and loaded[1]["prompt"] is None
+    assert [render_prompt(r, tiny_tokenizer())[0] for r in loaded] == ["raw", "hi\n\n"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"data.eval_prompts 'someone/prompts' not found.*HF_HUB_OFFLINE"):
+        load_rows("someone/prompts", key="data.eval_prompts")
+    with pytest.raises(ValueError, match=r"'./nope.jsonl' not found"):
+        load_rows("./nope.jsonl")
+
+
+def test_split_is_deterministic_and_order_independent():
+    rows = [{"prompt": f"prompt number {i}"} for i in range(40)]
+    train, evals = split_rows(rows, 0.1)
+    assert len(evals) == 4 and len(train) == 36
+    assert {r["prompt"] for r in train}.isdisjoint(r["prompt"] for r in evals)
+    train2, evals2 = split_rows(list(reversed(rows)), 0.1)
+    assert sorted(r["prompt"] for r in evals2) == sorted(r["prompt"] for r in evals)
+    assert train == [r for r in rows if r not in evals]  # original order kept
+    assert split_rows(rows, 0.0) == (rows, [])
+    assert len(split_rows(rows[:1], 0.5)[0]) == 1  # never empties the training set
+
+
+def test_load_train_eval(tmp_path):
+    train = _write(tmp_path / "train.jsonl", [json.dumps({"prompt": f"p{i}"}) for i in range(20)])
+    evals = _write(tmp_path / "eval.jsonl", [json.dumps({"prompt": "e"})])
+    t, e = load_train_eval(DataConfig(train_prompts=str(train), eval_prompts=str(evals), max_train_prompts=5))
+    assert [r["prompt"] for r in t] == [f"p{i}" for i in range(5)] and e == [{"prompt": "e"}]
+    t, e = load_train_eval(DataConfig(train_prompts=str(train), eval_split=0.1))
+    assert len(t) == 18 and len(e) == 2
+    with pytest.raises(ValueError, match="eval_split is 0"):
+        load_train_eval(DataConfig(train_prompts=str(train), eval_split=0.0))
+
+
+@pytest.mark.shared
+def test_reference_prompt_sets_load():
+    t, e = load_train_eval(DataConfig(train_prompts=str(TRAIN_PROMPTS), eval_prompts=str(DEV_PROMPTS)))
+    assert len(t) == 4000 and len(e) == 200
+    assert all("prompt" in r and "id" in r for r in t[:10])
+
+
+# ---------------------------------------------------------------- rendering, tokenisation, truncation
+
+
+def test_chat_template_applied_with_generation_prompt():
+    tok = tiny_tokenizer(chat=True)
+    row = {
+        "messages": [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "world"},
+        ]
+    }
+    text, templated = render_prompt(row, tok)
+    assert templated and text == "<s><|user|>hello<|end|><|assistant|>"  # the final assistant turn is not prompt
+    assert render_completion(row, tok) == "world<|end|>"  # end-of-turn included
+    ex = encode_prompts([row], tok, DataConfig(), completion_field="completion")[0]
+    assert tok.decode(ex.prompt_ids) == text  # no second BOS from add_special_tokens
+    assert ex.completion_ids[-1] == tok.convert_tokens_to_ids("<|end|>")
+    # no template, or apply_chat_template off: plain contents
+    plain, templated = render_prompt(row, tiny_tokenizer())
+    assert not templated and plain == "hello\n\n"
+    assert render_prompt(row, tok, apply_chat_template=False)[0] == "hello\n\n"
+
+
+def test_raw_prompt_with_completion_field():
+    tok = tiny_tokenizer()
+    rows = [{"prompt": "def f(x):", "answer": "\n    return x"}, {"prompt": "hello"}]
+    with pytest.raises(ValueError, match="row 1 has no 'answer' field"):
+        encode_prompts(rows, tok, DataConfig(), completion_field="answer")
+    ex = encode_prompts(rows[:1], tok, DataConfig(), max_new_tokens=2, completion_field="answer")[0]
+    assert ex.completion_ids == tok("\n    return x", add_special_tokens=False)["input_ids"][:2]
+    assert ex.row is rows[0] and ex.index == 0
+
+
+def test_left_truncation_keeps_the_end_and_bos():
+    tok = tiny_tokenizer()
+    text = "the quick brown fox " * 10
+    full = tok(text)["input_ids"]
+    ex = encode_prompts([{"prompt": text}], tok, DataConfig(max_prompt_tokens=7))[0]
+    assert ex.prompt_ids == full[-7:]
+    btok = tiny_tokenizer(bos=True)
+    bfull = btok(text)["input_ids"]
+    assert bfull[0] == btok.bos_token_id
+    ex = encode_prompts([{"prompt": text}], btok, DataConfig(max_prompt_tokens=7))[0]
+    assert ex.prompt_ids == [btok.bos_token_id, *bfull[-6:]]
+
+
+def test_prompt_cut_to_fit_context(caplog):
+    tok = tiny_tokenizer()
+    text = "the quick brown fox " * 10
+    with caplog.at_level(logging.WARNING, logger="distill.data"):
+        ex = encode_prompts([{"prompt": text}], tok, DataConfig(max_prompt_tokens=192), 20, 15)[0]
+    assert ex.prompt_ids == tok(text)["input_ids"][-5:]  # context 20 - 15 new tokens
+    assert "instead of data.max_prompt_tokens" in caplog.text
+    with pytest.raises(ValueError, match="max_new_tokens=20 leaves no room"):
+        encode_prompts([{"prompt": text}], tok, DataConfig(), 20, 20)
+
+
+def test_empty_rows_dropped_with_warning(caplog):
+    tok = tiny_tokenizer()
+    rows = [{"prompt": "hello"}, {"prompt": ""}, {"prompt": "world"}]
+    with caplog.at_level(logging.WARNING, logger="distill.data"):
+        examples = encode_prompts(rows, tok, DataConfig())
+    assert [e.index for e in examples] == [0, 2]  # indices stay those of the prompt set
+    assert "dropped 1 prompt rows" in caplog.text
+    with pytest.raises(ValueError, match="none of the 1 prompt rows"):
+        encode_prompts([{"prompt": ""}], tok, DataConfig())
+
+
+# ---------------------------------------------------------------- collation
+
+
+def test_collate_prompts_left_pads():
+    batch = collate_prompts([[5, 6, 7], [8]], pad_token_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    with pytest.raises(ValueError):
+        collate_prompts([[1], []], 0)
+
+
+def test_collate_training_masks_from_lengths_not_ids():
+    # pad == eos == 0, and the first completion ends with a generated EOS (0): it must stay in the loss
+    pairs = [([5, 6, 7], [8, 9, 0]), ([5], [0, 4])]
+    batch = collate_training(pairs, pad_token_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0], [5, 0, 4, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 0, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]]
+    # the shift: the logits at loss_mask positions predict exactly the completion tokens, in order
+    for b, (_, completion) in enumerate(pairs):
+        t = batch["loss_mask"][b].nonzero().squeeze(1)
+        assert batch["input_ids"][b, t + 1].tolist() == completion
+    with pytest.raises(ValueError, match="pair 1 has an empty completion"):
+        collate_training([([1], [2]), ([1], [])], 0)
+
+
+def test_training_batch_gives_the_unpadded_loss():
+    """Right padding leaves positions alone: a padded row's masked logits equal its unpadded forward's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    ).eval()
+    pairs = [([3, 4, 5, 6], [7, 0, 9]), ([3], [0])]
+    batch = collate_training(pairs, pad_token_id=0)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        for b, (p, c) in enumerate(pairs):
+            alone = model(input_ids=torch.tensor([p + c])).logits[0]
+            mask = batch["loss_mask"][b].bool()
+            torch.testing.assert_close(logits[b][mask], alone[len(p) - 1 : len(p) + len(c) - 1], rtol=1e-4, atol=1e-5)

@@ -1,0 +1,262 @@
+"""Metrics, prompt files, ``run_bench`` and the ``python -m decode bench`` CLI (DESIGN.md "Bench CLI")."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from decode_helpers import char_tokenizer, save_tiny_pair, tiny_pair
+
+from decode.__main__ import main
+from decode.bench import encode_prompts, load_prompts, run_bench
+from decode.metrics import (
+    expected_tokens_per_round,
+    interpolate_v,
+    leviathan_bound,
+    solve_acceptance,
+    theoretical_speedup,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+PAIR = SHARED / "fixtures" / "stdlib-pair"
+DEV_PROMPTS = SHARED / "data" / "stdlib-dev-prompts.jsonl"
+
+CONTRACT_KEYS = {
+    "target", "draft", "n_prompts", "new_tokens", "temperature", "batch_size", "num_draft_tokens",
+    "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "mean_num_draft_tokens",
+    "draft_cost_ratio", "verify_cost_ratio", "leviathan_bound", "theoretical_speedup", "tokens_per_s", "speedup",
+    "outputs_match_target",
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------------------------
+def test_leviathan_formulas():
+    assert expected_tokens_per_round(0.0, 4) == 1.0
+    assert expected_tokens_per_round(1.0, 4) == 5.0
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
+    for a in (0.1, 0.44, 0.8, 0.97):
+        for g in (1, 3, 5, 2.6):
+            assert solve_acceptance(expected_tokens_per_round(a, g), g) == pytest.approx(a, abs=1e-9)
+    assert solve_acceptance(1.0, 5) == 0.0 and solve_acceptance(7.0, 5) == 1.0
+    # (1 - a^(g+1)) / ((1 - a)(g c + 1)), e.g. a = 0.5, g = 2, c = 0.25: 1.75 / 1.5
+    assert leviathan_bound(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)
+    assert theoretical_speedup(2.0, 3, 0.1, 1.2) == pytest.approx(2.0 / 1.5)
+    assert interpolate_v({3: 1.2, 4: 1.4}, 2.5) == pytest.approx(1.3)
+    assert interpolate_v({3: 1.2, 4: 1.4}, 9) == 1.4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompt files
+# ---------------------------------------------------------------------------------------------------------------
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_load_prompts_text_and_chat(tmp_path):
+    path = _write(
+        tmp_path / "p.jsonl",
+        [
+            json.dumps({"id": "a", "prompt": "def f():", "source": "x.py"}),
+            "",
+            json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+        ],
+    )
+    items = load_prompts(path)
+    assert [i["id"] for i in items] == ["a", "p-1"] and items[0]["source"] == "x.py"
+    tok = char_tokenizer(chat_template="{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}>")
+    items = load_prompts(path, tokenizer=tok)
+    assert items[1]["prompt"] == "<user>hi>"
+    assert tok.decode(encode_prompts(tok, items)[1]) == "<user>hi>"
+
+
+@pytest.mark.parametrize(
+    "lines,message",
+    [
+        ([], "prompt file is empty"),
+        (["", "  "], "prompt file is empty"),
+        ([json.dumps({"prompt": "ok"}), "{not json"], r"p.jsonl:2: not valid JSON"),
+        ([json.dumps({"text": "x"})], r"p.jsonl:1: needs \"prompt\""),
+        ([json.dumps(["prompt"])], r"p.jsonl:1: expected a JSON object"),
+    ],
+)
+def test_load_prompts_errors(tmp_path, lines, message):
+    with pytest.raises(ValueError, match=message):
+        load_prompts(_write(tmp_path / "p.jsonl", lines))
+
+
+def test_load_prompts_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="prompt file not found"):
+        load_prompts(tmp_path / "nope.jsonl")
+
+
+def test_chat_prompt_without_template_is_a_clear_error(tmp_path):
+    path = _write(tmp_path / "p.jsonl", [json.dumps({"messages": [{"role": "user", "content": "hi"}]})])
+    with pytest.raises(ValueError, match="chat template"):
+        load_prompts(path, tokenizer=char_tokenizer())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run_bench on tiny models
+# ---------------------------------------------------------------------------------------------------------------
+PROMPTS = [{"id": f"t{i}", "prompt": p} for i, p in enumerate(["def f(x):", "import os\n", "class A:\n    x = 1"])]
+
+
+def _pair():
+    target, draft = tiny_pair("llama", noise=0.1)
+    for m in (target, draft):
+        m.generation_config.eos_token_id = m.generation_config.pad_token_id = 0
+    return target, draft
+
+
+@pytest.mark.parametrize("gamma", [3, "auto"])
+def test_run_bench_greedy_contract(tmp_path, gamma):
+    target, draft = _pair()
+    samples = tmp_path / "s.jsonl"
+    result = run_bench(
+        target, draft, char_tokenizer(), PROMPTS, target_name="t", draft_name="d", max_new_tokens=12,
+        num_draft_tokens=gamma, repeats=1, samples_out=samples, progress=False,
+    )  # fmt: skip
+    assert CONTRACT_KEYS <= set(result)
+    assert set(result["tokens_per_s"]) == {"speculative", "target", "hf_assisted"}
+    assert set(result["speedup"]) == {"vs_target", "vs_hf_assisted"}
+    assert result["num_draft_tokens"] == gamma and result["n_prompts"] == 3
+    assert result["outputs_match_target"] is True
+    assert 0 <= result["acceptance_rate"] <= 1 and result["mean_accepted_length"] >= 1
+    assert all(v > 0 for v in result["tokens_per_s"].values())
+    assert result["speedup"]["vs_target"] == pytest.approx(
+        result["tokens_per_s"]["speculative"] / result["tokens_per_s"]["target"]
+    )
+    assert result["target_tokens_per_s"]["loop"] <= result["tokens_per_s"]["target"]
+    json.dumps(result)  # serialisable as is
+    lines = [json.loads(x) for x in samples.read_text().splitlines()]
+    assert len(lines) == 3 * 3 and {x["method"] for x in lines} == {"speculative", "target", "hf_assisted"}
+    by = {(x["id"], x["method"]): x["new_token_ids"] for x in lines}
+    assert all(by[(p["id"], "speculative")] == by[(p["id"], "target")] for p in PROMPTS)
+
+
+def test_run_bench_sampling_batched_target_only():
+    target, draft = _pair()
+    result = run_bench(
+        target, draft, char_tokenizer(), PROMPTS, target_name="t", draft_name="d", max_new_tokens=8,
+        temperature=0.8, top_p=0.95, batch_size=2, repeats=1, baselines=("target",), progress=False,
+    )  # fmt: skip
+    assert result["outputs_match_target"] is None  # only defined for greedy
+    assert result["tokens_per_s"]["hf_assisted"] is None and result["speedup"]["vs_hf_assisted"] is None
+    assert result["batch_size"] == 2 and result["speedup"]["vs_target"] > 0
+
+
+def test_run_bench_prompt_past_context_is_a_clear_error():
+    target, draft = _pair()
+    long = [{"prompt": "x" * 250}]
+    with pytest.raises(ValueError, match="exceeds the target model's context of 256"):
+        run_bench(target, draft, char_tokenizer(), long, target_name="t", draft_name="d", max_new_tokens=10)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_pair(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+def test_cli_bench_writes_json_plot_and_samples(tmp_path, saved_pair, capsys):
+    target, draft = saved_pair
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps(p) for p in PROMPTS])
+    out, png, samples = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "s.jsonl"
+    argv = ["bench", "--target", target, "--draft", draft, "--prompts", str(prompts), "--max-new-tokens", "6",
+            "--limit", "2", "--repeats", "1", "--num-draft-tokens", "auto", "--json", str(out), "--plot", str(png),
+            "--samples-out", str(samples), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert CONTRACT_KEYS <= set(result) and result["n_prompts"] == 2 and result["num_draft_tokens"] == "auto"
+    assert result["outputs_match_target"] is True
+    assert png.stat().st_size > 1000 and len(samples.read_text().splitlines()) == 2 * 3
+    assert json.loads(capsys.readouterr().out)["n_prompts"] == 2
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("missing", "error: prompt file not found"),
+        ("empty", "error: prompt file is empty"),
+        ("long", "error: prompt of 300 tokens"),
+        ("vocab", "error: vocabulary mismatch"),
+    ],
+)
+def test_cli_errors_exit_2_with_one_line(tmp_path, saved_pair, capsys, case, message):
+    target, draft = saved_pair
+    prompts = tmp_path / "p.jsonl"
+    if case == "empty":
+        prompts.write_text("")
+    elif case == "long":
+        _write(prompts, [json.dumps({"prompt": "x" * 300})])
+    else:
+        _write(prompts, [json.dumps({"prompt": "x"})])
+    if case == "vocab":
+        # Same model, tokenizer with two ids swapped.
+        other = tmp_path / "other"
+        tok = char_tokenizer()
+        vocab = tok.get_vocab()
+        swapped = {t: (i if i not in (5, 6) else 11 - i) for t, i in vocab.items()}
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+        backend = Tokenizer(models.WordLevel(swapped, unk_token="<|endoftext|>"))
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        backend.decoder = decoders.Fuse()
+        PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(other)
+        AutoModelForCausalLM.from_pretrained(draft).save_pretrained(other)
+        draft = str(other)
+    path = str(tmp_path / "nope.jsonl") if case == "missing" else str(prompts)
+    code = main(["bench", "--target", target, "--draft", draft, "--prompts", path, "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith(message), err
+
+
+def test_cli_entry_point_runs(tmp_path, saved_pair):
+    target, draft = saved_pair
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps(PROMPTS[0])])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "decode", "bench", "--target", target, "--draft", draft, "--prompts", str(prompts),
+           "--max-new-tokens", "4", "--repeats", "1", "--baselines", "target", "--no-progress"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["tokens_per_s"]["hf_assisted"] is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The reference pair (../shared)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.shared
+def test_reference_pair_greedy_is_lossless():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(PAIR / "target", dtype=torch.float32)
+    draft = AutoModelForCausalLM.from_pretrained(PAIR / "draft", dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(PAIR / "target")
+    prompts = load_prompts(DEV_PROMPTS)[:2]
+    result = run_bench(
+        target, draft, tok, prompts, target_name="target", draft_name="draft", max_new_tokens=24,
+        num_draft_tokens=3, repeats=1, baselines=("target",), progress=False,
+    )  # fmt: skip
+    assert result["outputs_match_target"] is True
+    assert result["acceptance_rate"] > 0.2 and result["mean_accepted_length"] > 1.3

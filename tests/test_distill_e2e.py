@@ -1,0 +1,243 @@
+"""End-to-end: `accelerate launch train/distill.py` on tiny real models, W&B offline, real processes.
+
+One uninterrupted run is shared (module fixture) by the smoke checks and as the reference for the kill -9 /
+--resume test; a 2-process gloo run checks DDP; bad inputs each give one `error:` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.tiny import make_pair, make_prompts
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = str(REPO / "train" / "distill.py")
+pytestmark = pytest.mark.slow
+
+
+def env() -> dict:
+    e = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e.pop("WANDB_DIR", None)
+    return e
+
+
+def recipe_dict(assets: dict, out: Path, **sections) -> dict:
+    recipe = {
+        "target": {"model": str(assets["target"]), "dtype": "float32"},
+        "draft": {"model": str(assets["draft"]), "dtype": "float32"},
+        "data": {"train_prompts": str(assets["train"]), "eval_prompts": str(assets["eval"]), "max_prompt_tokens": 48},
+        "distill": {"loss": "jsd", "source": "mix", "max_new_tokens": 12},
+        "train": {"lr": 3e-3, "max_steps": 6, "batch_size": 4, "warmup_steps": 1, "seed": 0},
+        "eval": {"every": 3, "num_prompts": 3, "max_new_tokens": 12, "num_draft_tokens": 3, "repeats": 1},
+        "log": {"report_to": "wandb", "every": 1},
+        "output_dir": str(out),
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            recipe[section].update(values)
+        else:
+            recipe[section] = values
+    return recipe
+
+
+def write_recipe(tmp: Path, recipe: dict, name: str = "recipe.yaml") -> Path:
+    path = tmp / name
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def launch(recipe: Path, *extra: str, processes: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes)]
+    cmd += ["--multi_gpu"] if processes > 1 else ["--cpu"]
+    cmd += [SCRIPT, "--recipe", str(recipe), *extra]
+    e = env()
+    if processes > 1:
+        e["ACCELERATE_USE_CPU"] = "1"
+    return subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=timeout, cwd=REPO)
+
+
+def run_script(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env(), timeout=timeout, cwd=REPO
+    )
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("assets")
+    target, draft = make_pair(root)
+    return {
+        "root": root,
+        "target": target,
+        "draft": draft,
+        "train": make_prompts(root / "train.jsonl", 40, seed=1),
+        "eval": make_prompts(root / "eval.jsonl", 6, seed=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def full_run(assets, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("full")
+    out = tmp / "run"
+    proc = launch(write_recipe(tmp, recipe_dict(assets, out)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_run_directory_contract(full_run):
+    out = full_run
+    assert (out / "resolved_recipe.yaml").is_file()
+    report = json.loads((out / "report.json").read_text())
+    assert set(report) >= {"base", "best", "best_step", "checkpoints"}
+    assert [c["step"] for c in report["checkpoints"]] == [0, 3, 6]
+    for key in ("acceptance_rate", "mean_accepted_length", "per_position_acceptance", "speedup", "tokens_per_s"):
+        assert key in report["best"]
+    # best/ is the checkpoint with the highest measured speedup, not the lowest loss
+    best = max(report["checkpoints"], key=lambda c: (c["speedup"], c["acceptance_rate"], c["step"]))
+    assert report["best_step"] == best["step"]
+    assert json.loads((out / "best" / "eval.json").read_text())["step"] == best["step"]
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert len(kept) <= 3 and "step-6" in kept  # top-2 by speedup + the newest
+    for name in kept:
+        assert (out / "checkpoints" / name / "eval.json").is_file()
+        assert (out / "checkpoints" / name / "resolved_recipe.yaml").is_file()
+    assert (out / "acceptance_base_vs_best.png").stat().st_size > 0
+
+
+def test_metrics_and_wandb_offline(full_run):
+    lines = [json.loads(line) for line in (full_run / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in lines if "train/loss" in m]
+    evals = [m for m in lines if "eval/speedup" in m]
+    assert [m["step"] for m in train] == [1, 2, 3, 4, 5, 6]
+    assert {"train/lr", "train/tokens_per_s", "train/top1_agreement"} <= set(train[0])
+    assert [m["step"] for m in evals] == [0, 3, 6]
+    assert {"eval/acceptance_rate", "eval/mean_accepted_length", "eval/acceptance_pos_1"} <= set(evals[0])
+    runs = list((full_run / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_best_loads_as_plain_hf_model(full_run, assets):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    best = AutoModelForCausalLM.from_pretrained(full_run / "best")
+    target = AutoModelForCausalLM.from_pretrained(assets["target"])
+    tok = AutoTokenizer.from_pretrained(full_run / "best")
+    ids = tok("def main(argv):\n    ", return_tensors="pt").input_ids
+    plain = target.generate(ids, max_new_tokens=10, do_sample=False)
+    assisted = target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=best)
+    assert torch.equal(plain, assisted)
+
+
+def test_print_config_and_override(assets, tmp_path):
+    recipe = write_recipe(tmp_path, recipe_dict(assets, tmp_path / "run"))
+    proc = run_script("--recipe", str(recipe), "--print-config", "train.lr=5e-4")
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["train"]["lr"] == 5e-4
+    assert not (tmp_path / "run").exists()
+
+
+def test_two_processes_one_log_identical_weights(assets, tmp_path):
+    out = tmp_path / "run"
+    recipe = recipe_dict(assets, out, train={"max_steps": 4, "batch_size": 2}, eval={"every": 4})
+    proc = launch(write_recipe(tmp_path, recipe), processes=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["world_size"] == 2
+    a, b = report["param_checksums"]
+    assert a == b
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps.count(1) == 1  # one set of logs, not one per rank
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_kill_and_resume_matches_uninterrupted(assets, full_run, tmp_path):
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path, recipe_dict(assets, out))
+    cmd = [sys.executable, SCRIPT, "--recipe", str(recipe)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(), cwd=REPO)
+    deadline = time.time() + 240
+    while not (out / "checkpoints" / "step-3").is_dir():
+        assert proc.poll() is None, "run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "report.json").exists()
+    resumed = launch(recipe, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    mine = json.loads((out / "report.json").read_text())
+    ref = json.loads((full_run / "report.json").read_text())
+    # same data order, optimizer and scheduler state: the resumed run ends where the uninterrupted one did
+    assert mine["param_checksums"] == pytest.approx(ref["param_checksums"], rel=1e-9)
+    assert [c["loss"] for c in mine["checkpoints"]] == pytest.approx([c["loss"] for c in ref["checkpoints"]])
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_recipe_typo(assets, tmp_path):
+    recipe = recipe_dict(assets, tmp_path / "run")
+    recipe["train"]["max_step"] = 3
+    line = error_line(run_script("--recipe", str(write_recipe(tmp_path, recipe))))
+    assert "unknown key 'train.max_step'" in line and "max_steps" in line
+
+
+def test_missing_model(assets, tmp_path):
+    recipe = recipe_dict(assets, tmp_path / "run", target={"model": str(tmp_path / "nope")})
+    line = error_line(run_script("--recipe", str(write_recipe(tmp_path, recipe))))
+    assert "target.model" in line and "nope" in line
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("content, needle", [("", "empty"), ('{"prompt": "a"}\n{oops\n', "bad.jsonl:2")])
+def test_bad_prompt_file(assets, tmp_path, content, needle):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    recipe = recipe_dict(assets, tmp_path / "run", data={"train_prompts": str(bad)})
+    line = error_line(run_script("--recipe", str(write_recipe(tmp_path, recipe))))
+    assert "bad.jsonl" in line and needle in line
+
+
+def test_nan_loss_stops_naming_step_and_checkpoint(assets, tmp_path):
+    # An absurd learning rate with no clipping overflows the weights within a few steps.
+    recipe = recipe_dict(assets, tmp_path / "run", train={"lr": 1e30, "max_grad_norm": 0.0, "max_steps": 6})
+    line = error_line(run_script("--recipe", str(write_recipe(tmp_path, recipe))))
+    assert "step" in line and "NaN" in line and "last good checkpoint" in line and "step-0" in line
+
+
+def test_existing_run_is_not_clobbered(full_run, assets, tmp_path):
+    recipe = recipe_dict(assets, full_run)
+    line = error_line(run_script("--recipe", str(write_recipe(tmp_path, recipe))))
+    assert "--resume" in line and "--overwrite" in line
+
+
+def test_full_disk(assets, tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        recipe = recipe_dict(assets, mnt / "run")
+        line = error_line(run_script("--recipe", str(write_recipe(tmp_path, recipe))))
+        assert "no space left" in line
+        leftovers = list((mnt / "run" / "checkpoints").glob("*")) if (mnt / "run" / "checkpoints").exists() else []
+        assert not [p for p in leftovers if p.name.startswith(".tmp-")]
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -1,0 +1,457 @@
+"""train/publish.py and distill/publish.py on a tiny but real run directory (offline, CPU, a few seconds).
+
+The run directory is what train/distill.py writes (DESIGN.md): resolved_recipe.yaml, report.json, best/ (a
+merged HF model + eval.json + tokenizer) and checkpoints/step-N/ (here a peft LoRA adapter + eval.json). The
+target's vocabulary (64) is larger than the draft's (48), so publishing must pad the draft.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from distill import publish as pub
+from distill.config import load_recipe, save_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "train" / "publish.py"
+REPO_ID = "someone/tiny-draft"
+WORDS = "the a of to and in is it for on with as def return import class self if else print x y".split()
+DRAFT_VOCAB, TARGET_VOCAB = 48, 64
+
+BEST = {
+    "target": "TARGET",
+    "draft": "best",
+    "n_prompts": 12,
+    "new_tokens": 32,
+    "temperature": 0.0,
+    "batch_size": 1,
+    "num_draft_tokens": 4,
+    "acceptance_rate": 0.65432,
+    "mean_accepted_length": 2.8765,
+    "per_position_acceptance": [0.81, 0.7, 0.6, 0.5],
+    "mean_num_draft_tokens": 4.0,
+    "draft_cost_ratio": 0.1543,
+    "verify_cost_ratio": 1.31,
+    "leviathan_bound": 2.01,
+    "theoretical_speedup": 2.2222,
+    "tokens_per_s": {"speculative": 123.456, "target": 67.89, "hf_assisted": 101.2},
+    "speedup": {"vs_target": 1.8349, "vs_hf_assisted": 1.2199},
+    "outputs_match_target": True,
+    "prompts": "dev-prompts.jsonl",
+    "hardware": "Test CPU (2 cores)",
+}
+BASE = {
+    **BEST,
+    "acceptance_rate": 0.4111,
+    "mean_accepted_length": 1.9,
+    "speedup": {"vs_target": 1.1, "vs_hf_assisted": None},
+}
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """WordLevel over a few words + 4 specials, padded with unused words to DRAFT_VOCAB entries."""
+    words = WORDS + [f"w{i}" for i in range(DRAFT_VOCAB - 4 - len(WORDS))]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(words)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def tiny_llama(vocab: int, seed: int, tie: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=tie,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """target/, draft/ (base draft), run/ with best/, checkpoints/step-20/ (LoRA), report.json, recipe."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("publish")
+    tok = tiny_tokenizer()
+    target = tiny_llama(TARGET_VOCAB, seed=0)
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    draft = tiny_llama(DRAFT_VOCAB, seed=1, tie=True)
+    draft.save_pretrained(root / "draft")
+    tok.save_pretrained(root / "draft")
+
+    run = root / "run"
+    recipe = load_recipe(None, [f"target.model={root / 'target'}", f"draft.model={root / 'draft'}"])
+    recipe.output_dir = str(run)
+    recipe.data.eval_prompts = "dev-prompts.jsonl"
+    recipe.draft.lora.enabled = True
+    save_recipe(recipe, run)
+
+    best = tiny_llama(DRAFT_VOCAB, seed=2, tie=True)  # stands in for the distilled, merged draft
+    best.save_pretrained(run / "best")
+    tok.save_pretrained(run / "best")
+    (run / "best" / "eval.json").write_text(json.dumps(BEST))
+
+    lora = get_peft_model(
+        tiny_llama(DRAFT_VOCAB, seed=1, tie=True),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    lora.peft_config["default"].base_model_name_or_path = str(root / "draft")
+    step = run / "checkpoints" / "step-20"
+    lora.save_pretrained(step)
+    auto = {k: v for k, v in BEST.items() if k not in ("prompts", "hardware")}
+    (step / "eval.json").write_text(json.dumps({**auto, "num_draft_tokens": "auto", "mean_num_draft_tokens": 3.4}))
+
+    report = {
+        "base": BASE,
+        "best": BEST,
+        "best_step": 40,
+        "checkpoints": [
+            {"step": 20, "speedup": 1.5, "acceptance_rate": 0.55, "loss": 0.91},
+            {"step": 40, "speedup": 1.8349, "acceptance_rate": 0.65432, "loss": 0.7},
+        ],
+    }
+    (run / "report.json").write_text(json.dumps(report))
+    return run
+
+
+@pytest.fixture(scope="module")
+def published(run_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dry") / "tiny-draft"
+    assert pub.publish(run_dir, REPO_ID, dry_run_dir=out) == str(out)
+    return out
+
+
+def front_matter(card: str) -> dict:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=full_env, cwd=REPO, timeout=120
+    )
+
+
+# ---------------------------------------------------------------- the dry-run folder
+
+
+def test_dry_run_folder_contents(published, run_dir):
+    names = {p.name for p in published.iterdir()}
+    expected = {"config.json", "generation_config.json", "model.safetensors", "README.md", "draftsmith_eval.json"}
+    assert expected | {"tokenizer.json", "tokenizer_config.json", "resolved_recipe.yaml"} <= names
+    assert not [p for p in published.parent.iterdir() if p.name.startswith(".tmp-")]  # atomic: no leftovers
+
+    config = json.loads((published / "config.json").read_text())
+    assert config["vocab_size"] == TARGET_VOCAB  # padded from the draft's 48
+    target_dir = Path(load_recipe(run_dir / "resolved_recipe.yaml").target.model)
+    assert (published / "tokenizer.json").read_bytes() == (target_dir / "tokenizer.json").read_bytes()
+    gen = json.loads((published / "generation_config.json").read_text())
+    assert gen["num_assistant_tokens"] == 4 and gen["num_assistant_tokens_schedule"] == "constant"
+    assert gen["assistant_confidence_threshold"] == 0.0  # HF drafts exactly gamma tokens, as measured
+    assert (gen["eos_token_id"], gen["pad_token_id"], gen["bos_token_id"]) == (2, 0, 1)
+    assert (published / "resolved_recipe.yaml").read_text() == (run_dir / "resolved_recipe.yaml").read_text()
+
+
+def test_card_figures_equal_report(published, run_dir):
+    report = json.loads((run_dir / "report.json").read_text())
+    info = json.loads((published / "draftsmith_eval.json").read_text())
+    assert info["best"] == report["best"] and info["base"] == report["base"]
+    assert info["best_step"] == 40 and info["checkpoints"] == report["checkpoints"]
+    assert info["num_assistant_tokens"] == 4 and info["vocab_size"] == {"draft": 48, "target": 64, "published": 64}
+
+    card = (published / "README.md").read_text()
+    meta = front_matter(card)
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert {"speculative-decoding", "draft-model"} <= set(meta["tags"])
+    assert meta["target_model"] == info["target"]
+    assert "base_model" not in meta  # the base draft is a local path here, not a Hub id
+    # figures from report.json, formatted (acceptance 3 decimals, tau 2, speedups 2 + 'x')
+    for text in ("| 0.411 | 0.654 |", "| 1.90 | 2.88 |", "| 1.10x | 1.83x |", "| n/a | 1.22x |", "| 123.5 |"):
+        assert text in card, text
+    assert "this draft (step 40)" in card and "0.810, 0.700, 0.600, 0.500" in card
+    assert "hardware: Test CPU (2 cores)" in card and "prompts file: dev-prompts.jsonl" in card
+    assert "temperature: 0.0; new tokens per prompt: 32; prompts: 12" in card
+    assert "| 20 | 1.50x | 0.550 | 0.9100 |" in card  # evaluations during training
+    recipe_block = card.split("```yaml\n")[1].split("```")[0]
+    assert yaml.safe_load(recipe_block) == yaml.safe_load((run_dir / "resolved_recipe.yaml").read_text())
+    # usage snippets with the repo id, the target and gamma filled in
+    target = info["target"]
+    assert f'AutoModelForCausalLM.from_pretrained("{REPO_ID}"' in card and "assistant_model=draft" in card
+    assert f'"model": "{REPO_ID}", "method": "draft_model", "num_speculative_tokens": 4' in card
+    assert f"--model-path {target}" in card and "--prompts dev-prompts.jsonl --num-draft-tokens 4" in card
+    assert f"--speculative-algorithm STANDALONE --speculative-draft-model-path {REPO_ID}" in card
+
+
+def test_published_draft_assists_target_losslessly(published, run_dir):
+    recipe = load_recipe(run_dir / "resolved_recipe.yaml")
+    target = AutoModelForCausalLM.from_pretrained(recipe.target.model).eval()
+    draft = AutoModelForCausalLM.from_pretrained(published).eval()
+    original = AutoModelForCausalLM.from_pretrained(run_dir / "best").eval()
+    assert draft.config.vocab_size == target.config.vocab_size == TARGET_VOCAB
+    assert draft.generation_config.num_assistant_tokens == 4
+
+    ids = torch.tensor([[1, 5, 9, 14, 7, 22]])
+    with torch.no_grad():
+        logits, before = draft(ids).logits, original(ids).logits
+    torch.testing.assert_close(logits[..., :DRAFT_VOCAB], before)  # padding changes no real token's logit
+    assert int(logits.argmax(-1).max()) < DRAFT_VOCAB  # padded rows (the mean row) never win
+
+    plain = target.generate(ids, do_sample=False, max_new_tokens=16, min_new_tokens=16)
+    assisted = target.generate(ids, assistant_model=draft, do_sample=False, max_new_tokens=16, min_new_tokens=16)
+    assert torch.equal(plain, assisted)
+
+
+def test_lora_checkpoint_is_merged(run_dir, tmp_path, caplog):
+    from peft import PeftModel
+
+    out = tmp_path / "from-lora"
+    with caplog.at_level("WARNING", logger="draftsmith.publish"):
+        pub.publish(run_dir / "checkpoints" / "step-20", REPO_ID, dry_run_dir=out)
+    assert "padded from 48 to the target's 64" in caplog.text
+    assert not (out / "adapter_config.json").exists()
+    info = json.loads((out / "draftsmith_eval.json").read_text())
+    assert info["best_step"] == 20 and info["checkpoint"] == "checkpoints/step-20"
+    assert info["num_assistant_tokens"] == 3  # 'auto': round(mean_num_draft_tokens = 3.4)
+    assert info["base"] == json.loads((run_dir / "report.json").read_text())["base"]
+    assert "recorded at publish time" in info["hardware"]  # the eval did not record its hardware
+    assert "LoRA r=16, merged" in info["method"]
+
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    base_dir = Path(load_recipe(run_dir / "resolved_recipe.yaml").draft.model)
+    with_adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir), run_dir / "checkpoints" / "step-20"
+    )
+    plain_base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    ids = torch.tensor([[1, 6, 8, 10, 12]])
+    with torch.no_grad():
+        got, want, unadapted = merged(ids).logits, with_adapter.eval()(ids).logits, plain_base(ids).logits
+    torch.testing.assert_close(got[..., :DRAFT_VOCAB], want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(want, unadapted, atol=1e-3)  # the adapter is not a no-op, so merging was tested
+    assert json.loads((out / "generation_config.json").read_text())["num_assistant_tokens"] == 3
+
+
+def test_checkpoint_without_recipe_uses_eval_json(run_dir, tmp_path):
+    """A bare checkpoint dir (no run dir around it): the target comes from eval.json, with a note in the card."""
+    import shutil
+
+    lone = tmp_path / "lone"
+    shutil.copytree(run_dir / "best", lone)
+    recipe = load_recipe(run_dir / "resolved_recipe.yaml")
+    (lone / "eval.json").write_text(json.dumps({**BEST, "target": recipe.target.model}))
+    out = pub.publish(lone, REPO_ID, dry_run_dir=tmp_path / "out")
+    info = json.loads((Path(out) / "draftsmith_eval.json").read_text())
+    assert info["target"] == recipe.target.model and info["best_step"] is None
+    assert any("no resolved_recipe.yaml" in n for n in info["notes"])
+    assert "The recipe was not found" in (Path(out) / "README.md").read_text()
+
+
+def test_fp32_draft_is_published_in_its_base_dtype(run_dir, tmp_path):
+    """A fully fine-tuned draft (fp32 master weights) goes out in the dtype its base draft declares."""
+    import shutil
+
+    base = tmp_path / "bf16-base"
+    config = tiny_llama(DRAFT_VOCAB, seed=0, tie=True).config
+    config.dtype = torch.bfloat16
+    config.save_pretrained(base)  # the config is all publish reads of the base
+    ckpt = tmp_path / "run" / "checkpoints" / "step-7"
+    shutil.copytree(run_dir / "best", ckpt)
+    recipe = load_recipe(run_dir / "resolved_recipe.yaml", [f"draft.model={base}", "draft.lora.enabled=false"])
+    save_recipe(recipe, tmp_path / "run")
+    out = Path(pub.publish(ckpt, REPO_ID, dry_run_dir=tmp_path / "out"))
+    published = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert published.dtype == torch.bfloat16
+    info = json.loads((out / "draftsmith_eval.json").read_text())
+    assert info["best_step"] == 7 and "full fine-tune" in info["method"]
+    assert any("cast from float32 to bfloat16" in n for n in info["notes"])
+
+
+def test_unreachable_target_falls_back_to_the_draft(run_dir, tmp_path, caplog):
+    """Offline with a Hub-id target: the draft's vocab and tokenizer are kept, each with one warning and a note."""
+    import shutil
+
+    ckpt = tmp_path / "run" / "best"
+    shutil.copytree(run_dir / "best", ckpt)
+    save_recipe(load_recipe(run_dir / "resolved_recipe.yaml", ["target.model=google/gemma-2-9b-it"]), ckpt.parent)
+    with caplog.at_level("WARNING", logger="draftsmith.publish"):
+        out = Path(pub.publish(ckpt, REPO_ID, dry_run_dir=tmp_path / "out"))
+    info = json.loads((out / "draftsmith_eval.json").read_text())
+    assert info["vocab_size"] == {"draft": DRAFT_VOCAB, "target": None, "published": DRAFT_VOCAB}
+    assert info["tokenizer_from"] == "draft" and len(info["notes"]) == 2
+    assert (out / "tokenizer.json").read_bytes() == (run_dir / "best" / "tokenizer.json").read_bytes()
+    assert "could not be loaded" in caplog.text
+    card = (out / "README.md").read_text()
+    assert front_matter(card)["target_model"] == "google/gemma-2-9b-it" and "vllm serve google/gemma-2-9b-it" in card
+
+
+def test_failed_build_leaves_nothing(run_dir, tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("card failed")
+
+    monkeypatch.setattr(pub, "render_model_card", boom)
+    with pytest.raises(RuntimeError, match="card failed"):
+        pub.publish(run_dir, REPO_ID, dry_run_dir=tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def test_card_front_matter_with_hub_ids():
+    info = {
+        "target": "google/gemma-2-9b-it",
+        "base_model": "google/gemma-2-2b-it",
+        "checkpoint": "best",
+        "best_step": 300,
+        "method": "fkl distillation on target sequences, LoRA r=16, merged",
+        "num_assistant_tokens": 5,
+        "hardware": "1 x NVIDIA H100 80GB HBM3",
+        "prompts": "HuggingFaceH4/ultrachat_200k",
+        "best": {**BEST, "num_draft_tokens": 5},
+        "base": None,
+    }
+    card = pub.render_model_card(info, "me/gemma-2-2b-it-draft")
+    meta = front_matter(card)
+    assert meta["base_model"] == "google/gemma-2-2b-it" and meta["base_model_relation"] == "finetune"
+    assert meta["target_model"] == "google/gemma-2-9b-it"
+    assert meta["tags"] == ["speculative-decoding", "draft-model", "draftsmith"]
+    assert "vllm serve google/gemma-2-9b-it" in card and '"num_speculative_tokens": 5' in card
+    assert "--speculative-num-steps 5 --speculative-eagle-topk 1 --speculative-num-draft-tokens 6" in card
+    assert "base draft |" not in card and "| this draft (step 300) |" in card  # no base figures: one column
+    assert "| 0.654 |" in card
+
+
+@pytest.mark.parametrize(
+    "repo_id",
+    ["me/gemma-eagle-draft", "me/EAGLE3-x", "me/qwen-dflash", "me/DSpark", "noslash", "a/b/c", "me/x--y", ""],
+)
+def test_bad_repo_ids(repo_id):
+    with pytest.raises(pub.PublishError):
+        pub.check_repo_id(repo_id)
+
+
+def test_good_repo_id():
+    pub.check_repo_id("me/gemma-2-2b-it-draft_v1.0")
+
+
+@pytest.mark.parametrize(
+    "ev, gamma", [({"num_draft_tokens": 6}, 6), ({"num_draft_tokens": "auto", "mean_num_draft_tokens": 2.6}, 3)]
+)
+def test_best_gamma(ev, gamma):
+    assert pub.best_gamma(ev) == gamma
+
+
+def test_match_vocab_pads_with_mean_rows_and_truncates():
+    model = tiny_llama(DRAFT_VOCAB, seed=3)  # untied lm_head
+    head = model.lm_head.weight.detach().clone()
+    pub.match_vocab(model, 56)
+    assert model.config.vocab_size == 56 and model.lm_head.weight.shape[0] == 56
+    torch.testing.assert_close(model.lm_head.weight[:DRAFT_VOCAB], head)
+    torch.testing.assert_close(model.lm_head.weight[DRAFT_VOCAB:], head.mean(0).expand(8, -1))
+    pub.match_vocab(model, 40)
+    assert model.get_input_embeddings().weight.shape[0] == 40 and model.config.vocab_size == 40
+
+
+# ---------------------------------------------------------------- errors (CLI: one line, exit 2) and the push path
+
+
+def test_cli_errors(run_dir, tmp_path):
+    bare = tmp_path / "bare-run"
+    (bare / "best").mkdir(parents=True)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("")
+    cases = [
+        ([str(tmp_path / "missing"), "--repo-id", REPO_ID, "--dry-run", str(tmp_path / "o1")], "not a directory"),
+        ([str(bare), "--repo-id", REPO_ID, "--dry-run", str(tmp_path / "o2")], "no report.json"),
+        ([str(tmp_path), "--repo-id", REPO_ID, "--dry-run", str(tmp_path / "o3")], "no eval.json or report.json"),
+        ([str(run_dir), "--repo-id", "me/llama-eagle3", "--dry-run", str(tmp_path / "o4")], "'eagle"),
+        ([str(run_dir), "--repo-id", "no-namespace", "--dry-run", str(tmp_path / "o5")], "malformed"),
+        ([str(run_dir), "--repo-id", REPO_ID, "--dry-run", str(full)], "not empty"),
+        ([str(run_dir), "--repo-id", REPO_ID], "offline"),
+    ]
+    for args, expected in cases:
+        proc = run_cli(*args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (args, proc.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare-run", "full"]  # nothing written
+
+
+def test_cli_not_logged_in(run_dir, tmp_path):
+    """Online but without a token: stops at whoami, before building or uploading (no network is touched)."""
+    env = {"HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": ""}
+    proc = run_cli(str(run_dir), "--repo-id", REPO_ID, env=env)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: not logged in to the Hugging Face Hub: set HF_TOKEN or run `hf auth login`"
+    ]
+
+
+@pytest.fixture
+def online(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+
+
+def test_unauthorised_token_is_one_error(online, run_dir, monkeypatch):
+    import httpx2
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    def refuse(self, *a, **k):
+        response = httpx2.Response(401, request=httpx2.Request("GET", "https://huggingface.co/api/whoami-v2"))
+        raise HfHubHTTPError("401 Client Error: Unauthorized", response=response)
+
+    monkeypatch.setattr(HfApi, "whoami", refuse)
+    with pytest.raises(pub.PublishError, match="refused the token \\(HTTP 401\\)"):
+        pub.publish(run_dir, REPO_ID)
+
+
+def test_push_uploads_the_folder(online, run_dir, monkeypatch):
+    from huggingface_hub import HfApi, RepoUrl
+
+    calls = {}
+    monkeypatch.setattr(HfApi, "whoami", lambda self, *a, **k: {"name": "someone"})
+    monkeypatch.setattr(
+        HfApi,
+        "create_repo",
+        lambda self, repo_id, **k: calls.update(repo=(repo_id, k)) or RepoUrl(f"https://huggingface.co/{repo_id}"),
+    )
+    monkeypatch.setattr(HfApi, "create_branch", lambda self, repo_id, **k: calls.update(branch=k["branch"]))
+
+    def upload_folder(self, **k):
+        calls["upload"] = k
+        calls["files"] = sorted(p.name for p in Path(k["folder_path"]).iterdir())
+
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    url = pub.publish(run_dir, REPO_ID, private=True, revision="v1", commit_message="first draft")
+    assert url == f"https://huggingface.co/{REPO_ID}/tree/v1"
+    assert calls["repo"] == (REPO_ID, {"private": True, "exist_ok": True, "repo_type": "model"})
+    assert calls["branch"] == "v1" and calls["upload"]["revision"] == "v1"
+    assert calls["upload"]["repo_id"] == REPO_ID and calls["upload"]["commit_message"] == "first draft"
+    assert {"README.md", "model.safetensors", "draftsmith_eval.json", "generation_config.json"} <= set(calls["files"])
+    assert not Path(calls["upload"]["folder_path"]).exists()  # the staging folder is cleaned up
