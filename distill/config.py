@@ -120,6 +120,7 @@ class DistillConfig:
     gen_temperature: float = _f(1.0, "sampling temperature for generated continuations")
     num_draft_tokens: int | str = _f(4, "gamma of the speculative decoder that generates target rollouts, or 'auto'")
     cache_rollouts: bool = _f(True, "source=target: cache target continuations on disk and reuse them")
+    cache_dir: str = _f("", "target continuation cache (empty: <output_dir>/rollout_cache); runs may share one")
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.beta <= 1.0, "distill.beta", f"must be in [0, 1], got {self.beta}")

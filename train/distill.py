@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached quickstart pair")
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4 eval.every=50")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 # ---------------------------------------------------------------- setup helpers
@@ -212,7 +212,7 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
         recipe.distill,
         target,
         tokenizer,
-        cache_dir=out / "rollout_cache",
+        cache_dir=Path(recipe.distill.cache_dir) if recipe.distill.cache_dir else out / "rollout_cache",
         seed=recipe.train.seed,
         process_index=rank,
         num_draft_tokens=recipe.distill.num_draft_tokens,

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# DistillSpec-style ablation on the reference pair: each divergence x each data source, same training budget,
+# measured speedup and acceptance of best/ on the dev prompts. Prints a markdown table; runs go to $OUT.
+#
+#   bash bench/ablation.sh                      # 4 losses x 3 sources, MINUTES=4 each (~1 h on 2 CPU cores)
+#   MINUTES=2 LOSSES="fkl tvd" SOURCES="target" bash bench/ablation.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/draftsmith-ablation}
+MINUTES=${MINUTES:-4}
+PROMPTS=${PROMPTS:-1000}  # target continuations are generated once (shared cache) and reused by every run
+LOSSES=${LOSSES:-"fkl rkl jsd tvd"}
+SOURCES=${SOURCES:-"target draft mix"}
+RECIPE=${RECIPE:-recipes/stdlib-30m_stdlib-3.7m_full_greedy.yaml}
+export HF_HUB_OFFLINE=1 WANDB_MODE=offline
+mkdir -p "$OUT"
+for loss in $LOSSES; do
+    for source in $SOURCES; do
+        run="$OUT/${loss}_${source}"
+        [ -f "$run/report.json" ] && continue
+        python train/distill.py --recipe "$RECIPE" --overwrite \
+            distill.loss="$loss" distill.beta=0.5 distill.source="$source" distill.mix_lambda=0.5 \
+            train.max_minutes="$MINUTES" train.max_steps=100000 eval.every=100000 log.report_to=none \
+            data.max_train_prompts="$PROMPTS" distill.cache_dir="$OUT/rollout_cache" output_dir="$run" > "$run.log" 2>&1 || { echo "failed: $run (see $run.log)"; continue; }
+    done
+done
+python - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print("| loss | source | steps | acceptance base -> best | tau best | speedup base -> best |")
+print("|---|---|---|---|---|---|")
+for report in sorted(out.glob("*/report.json")):
+    r = json.loads(report.read_text())
+    loss, source = report.parent.name.split("_")
+    base, best = r["base"], r["best"]
+    steps = max(c["step"] for c in r["checkpoints"])
+    print(f"| {loss} | {source} | {steps} | {base['acceptance_rate']:.3f} -> {best['acceptance_rate']:.3f} "
+          f"| {best['mean_accepted_length']:.2f} | {base['speedup']['vs_target']:.2f}x -> "
+          f"{best['speedup']['vs_target']:.2f}x |")
+PY
