@@ -12,6 +12,7 @@ recipes/pretrain/quickstart-{target,draft}.yaml under ``~/.cache/draftsmith/quic
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -209,20 +210,17 @@ def verify_checkpoint(directory: Path, model, probe: torch.Tensor) -> float:
     return diff.max().item()
 
 
-def _wandb_offline_if_no_key(report_to: str, print_fn) -> None:
-    if report_to != "wandb":
+def _check_tracker(report_to: str, print_fn) -> None:
+    """Fail early when the tracker is not installed (accelerate would drop it silently); W&B without a key
+    logs offline."""
+    module = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(report_to)
+    if module is None:
         return
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise RecipeError(
-            "log.report_to: wandb is not installed; pip install wandb or set log.report_to=none"
-        ) from None
-    if not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
+    if importlib.util.find_spec(module) is None:
+        raise RecipeError(f"log.report_to: {module} is not installed; pip install {module} or set log.report_to=none")
+    if report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
         os.environ["WANDB_MODE"] = "offline"
-        print_fn(
-            "wandb: no WANDB_API_KEY, logging offline to ./wandb; upload later with: wandb sync wandb/offline-run-*"
-        )
+        print_fn("wandb: no WANDB_API_KEY, logging offline to ./wandb (upload later: wandb sync wandb/offline-run-*)")
 
 
 # ---------------------------------------------------------------- the run
@@ -238,7 +236,7 @@ def pretrain(
     process calls it; the main process writes the checkpoint. Raises RecipeError on bad input, before training.
     """
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import set_seed
+    from accelerate.utils import parse_flag_from_env, set_seed
     from tqdm.auto import tqdm
 
     # -- setup
@@ -246,13 +244,15 @@ def pretrain(
     cfg = recipe.train
     command = command or shlex.join([Path(sys.executable).name, *sys.argv])
     out = Path(recipe.output_dir).expanduser()
-    state = PartialState()
+    # The process group first (as Accelerator would: ACCELERATE_USE_CPU=1 makes N CPU processes one gloo group),
+    # so that only the main process makes the output dir, which Accelerator's trackers need at construction.
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     tmp = _prepare_output(out) if state.is_main_process else None
     try:
         report_to = None if recipe.log.report_to == "none" else recipe.log.report_to
         accelerator = Accelerator(log_with=report_to, project_dir=str(tmp) if tmp else None)
         print_ = accelerator.print
-        _wandb_offline_if_no_key(recipe.log.report_to, print_)
+        _check_tracker(recipe.log.report_to, print_)
         mixed_precision = resolve_mixed_precision(mixed_precision)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision or "no")
         autocast = torch.autocast(accelerator.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
