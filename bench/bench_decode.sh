@@ -12,6 +12,9 @@ OUT=${OUT:-/tmp/draftsmith-bench}
 LIMIT=${LIMIT:-30}
 REPEATS=${REPEATS:-3}
 export HF_HUB_OFFLINE=1
+# One thread by default: on a shared 2-core machine two OpenMP threads stall whenever another process runs
+# (10x slower forwards); one thread gives stable ratios. THREADS=2 on a quiet machine.
+export OMP_NUM_THREADS=${THREADS:-1}
 mkdir -p "$OUT"
 common=(--target "$SHARED/fixtures/stdlib-pair/target" --draft "$SHARED/fixtures/stdlib-pair/draft"
         --prompts "$SHARED/data/stdlib-dev-prompts.jsonl" --limit "$LIMIT" --repeats "$REPEATS" --max-new-tokens 64)

@@ -10,10 +10,12 @@ medians of standalone KV-cached forwards of the same models in the same run.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
+import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -22,10 +24,9 @@ from tqdm.auto import tqdm
 
 from decode.draft_length import AutoDraftLength
 from decode.metrics import (
+    ForwardCostMeter,
     acceptance_metrics,
-    interpolate_v,
     leviathan_bound,
-    measure_forward_costs,
     solve_acceptance,
     speedup_with_prefill,
     theoretical_speedup,
@@ -204,6 +205,20 @@ def _methods(baselines: Sequence[str], batch_size: int) -> list[str]:
     return methods
 
 
+MIN_COST_SAMPLES = 5
+
+
+def _load_avg() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def _verify_sizes(controller) -> Iterator[int]:
+    """Verify sizes (gamma + 1 tokens) to time: the fixed one, or under auto a cycle over gamma = 1..5."""
+    if isinstance(controller, AutoDraftLength):
+        return itertools.cycle(range(2, min(controller.max_gamma, 5) + 2))
+    return itertools.repeat(controller.max_gamma + 1)
+
+
 def _rate(times: dict, tokens: dict, method: str) -> float | None:
     """Tokens/s: per batch the median over repeats of time (and of tokens), summed over batches."""
     if method not in times:
@@ -263,9 +278,13 @@ def run_bench(
         controller=controller, eos=eos, pad_id=pad_id,
     )  # fmt: skip
 
+    load_start = _load_avg()
     # Warm-up: every method once on the first batch (allocator, kernels, auto's calibration).
     for method in methods:
         runner.run(method, *batches[0], seed=seed)
+    # c and v: standalone forwards sampled between the timed runs, so they see the same machine state.
+    meter = ForwardCostMeter(target, draft, *batches[0])
+    verify_sizes = _verify_sizes(controller)
 
     times = {m: {b: [] for b in range(len(batches))} for m in methods}
     tokens = {m: {b: [] for b in range(len(batches))} for m in methods}
@@ -285,15 +304,16 @@ def run_bench(
                 if stats is not None:
                     spec_stats.merge(stats)
                 bar.update(1)
+            meter.sample([next(verify_sizes)])
             if progress:
                 bar.set_postfix(acc=f"{spec_stats.acceptance_rate:.2f}", tau=f"{spec_stats.mean_accepted_length:.2f}")
     bar.close()
 
-    # Forward-cost ratios, measured after the runs so auto's mean gamma is known.
+    while meter.samples_taken < MIN_COST_SAMPLES:
+        meter.sample([next(verify_sizes)])
     gamma = spec_stats.mean_num_draft_tokens
-    sizes = sorted({int(gamma) + 1, int(gamma) + 2}) if isinstance(controller, AutoDraftLength) else [round(gamma) + 1]
-    costs = measure_forward_costs(target, draft, *batches[0], verify_tokens=sizes)
-    c, v = costs["c"], interpolate_v(costs["v"], gamma)
+    costs = meter.summary(gamma)
+    c, v = costs["c"], costs["v"]
     tau = spec_stats.mean_accepted_length
     theory = theoretical_speedup(tau, gamma, c, v)
     # The same zero-overhead figure once the prompt forwards that every method pays are counted (an average
@@ -348,6 +368,7 @@ def run_bench(
             "verify": costs["verify_ms"],
             "prefill": prefill,
         },
+        "cost_samples": costs["samples"],
         "rounds": spec_stats.rounds,
         "generated_tokens": spec_stats.new_tokens,
         "repeats": repeats,
@@ -356,6 +377,8 @@ def run_bench(
         "device": str(runner.device),
         "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
         "torch_threads": torch.get_num_threads(),
+        # 1-minute load average at start and end: timings on a shared machine are only as good as its quiet.
+        "load_avg": {"start": load_start, "end": _load_avg()},
     }
 
 

@@ -13,6 +13,8 @@ cost. ``c`` and ``b`` are measured from the loop's own forward timings (or ``c``
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 
@@ -52,39 +54,44 @@ class AutoDraftLength:
 
     needs_confidence = True
 
-    # Finer at low confidence, where most draft tokens of a weak draft fall.
+    # Confidence buckets, finer at low confidence, where most draft tokens of a weak draft fall.
     EDGES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
 
     def __init__(self, max_gamma: int = 12, draft_cost_ratio: float | None = None, prior_strength: float = 3.0):
+        if max_gamma < 1:
+            raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
         self.max_gamma = max_gamma
         self.fixed_c = draft_cost_ratio
-        self.edges = torch.tensor(self.EDGES, dtype=torch.float64)
-        centers = (self.edges + torch.cat([self.edges[1:], torch.ones(1, dtype=torch.float64)])) / 2
+        # Plain Python floats: this runs once per draft token, and a handful of rows is faster without tensors.
+        centers = [(lo + hi) / 2 for lo, hi in zip(self.EDGES, [*self.EDGES[1:], 1.0])]
         # Prior: acceptance rises with confidence, but a draft's argmax is often right even when it is unsure
         # (two models trained on the same data agree on the mode of a flat distribution).
-        self.hits = (1 + centers) / 2 * prior_strength  # [buckets] accepted pseudo-counts
-        self.tries = torch.full_like(centers, prior_strength)
+        self.hits = [(1 + c) / 2 * prior_strength for c in centers]  # accepted pseudo-counts per bucket
+        self.tries = [prior_strength] * len(centers)
         # Cost model in seconds: draft forward time, and verify time = t0 + slope * gamma (least squares).
         self._draft_t: float | None = None
-        self._vstats = torch.zeros(5, dtype=torch.float64)  # sum 1, g, g^2, t, g*t (exponentially decayed)
+        self._vstats = [0.0] * 5  # sums of 1, g, g^2, t, g*t (exponentially decayed)
         self._tokens = 0.0  # decayed tokens emitted per row ...
         self._cost = 0.0  # ... and decayed cost (target-forward units) per row, for the running rate
-        self._survival: torch.Tensor | None = None
-        self._round_conf: list[torch.Tensor] = []
+        self._threshold = 0.0
+        self._survival: list[float] = []
+        self._round_buckets: list[list[int]] = []
 
     # -- calibration -------------------------------------------------------------------------------------------
-    def _bucket(self, confidence: torch.Tensor) -> torch.Tensor:
-        return torch.bucketize(confidence.double(), self.edges, right=True) - 1
+    def _bucket(self, confidence: float) -> int:
+        return max(bisect.bisect_right(self.EDGES, confidence) - 1, 0)
 
-    def accept_prob(self, confidence: torch.Tensor) -> torch.Tensor:
-        """Calibrated P(target accepts a draft token | draft confidence); ``[B] -> [B]`` float64."""
+    def accept_prob(self, confidence: float | torch.Tensor) -> float | list[float]:
+        """Calibrated P(target accepts a draft token | the draft's confidence in it); float or ``[B]`` -> list."""
+        if isinstance(confidence, torch.Tensor):
+            return [self.accept_prob(float(c)) for c in confidence.reshape(-1).tolist()]
         b = self._bucket(confidence)
         return self.hits[b] / self.tries[b]
 
     # -- costs ----------------------------------------------------------------------------------------------------
     def costs(self) -> tuple[float, float]:
         """(c, b): draft forward and marginal verify cost per draft token, in target-forward units."""
-        n, sg, sgg, st, sgt = self._vstats.tolist()
+        n, sg, sgg, st, sgt = self._vstats
         if n < 2 or self._draft_t is None:
             return (self.fixed_c if self.fixed_c is not None else 0.15), 0.1
         var = sgg / n - (sg / n) ** 2
@@ -100,42 +107,42 @@ class AutoDraftLength:
 
     # -- the decoder's hooks ---------------------------------------------------------------------------------------
     def start_round(self, batch_size: int) -> None:
-        self._survival = torch.ones(batch_size, dtype=torch.float64)
-        self._round_conf = []
+        c, b = self.costs()
+        self._threshold = self.rate() * (c + b)
+        self._survival = [1.0] * batch_size
+        self._round_buckets = [[] for _ in range(batch_size)]
 
     def keep_drafting(self, confidence: torch.Tensor | None) -> bool:
-        """Called after each drafted token with the draft's confidence ``[B]``; True = draft another one."""
+        """Called after each drafted token with the draft's confidence in it, ``[B]``; True = draft another."""
         assert confidence is not None
-        confidence = confidence.detach().to("cpu", torch.float64)
-        self._round_conf.append(confidence)
-        a = self.accept_prob(confidence)
-        self._survival = self._survival * a
-        c, b = self.costs()
-        # The next token's acceptance is unknown before drafting it; confidence is persistent, so use this one's.
-        gain = float((self._survival * a).mean())
-        return gain > self.rate() * (c + b)
+        gain = 0.0
+        for row, conf in enumerate(confidence.tolist()):
+            bucket = self._bucket(conf)
+            self._round_buckets[row].append(bucket)
+            a = self.hits[bucket] / self.tries[bucket]
+            self._survival[row] *= a
+            # The next token's acceptance is unknown before drafting it; confidence persists, so use this one's.
+            gain += self._survival[row] * a
+        return gain / len(self._survival) > self._threshold
 
     def end_round(
         self, gamma: int, accepted: torch.Tensor, draft_time: float | None, verify_time: float | None
     ) -> None:
         """Update calibration and costs. ``accepted``: ``[B]`` accepted draft tokens per row; times in seconds
         (None for a prefill round, whose cost says nothing about per-token costs)."""
-        acc = accepted.to("cpu")
-        if self._round_conf:
-            conf = torch.stack(self._round_conf, 1)  # [B, gamma]
-            pos = torch.arange(conf.shape[1])[None, :]
-            tested = pos <= acc[:, None]  # positions the target actually judged
-            ok = (pos < acc[:, None]) & tested
-            b = self._bucket(conf[tested])
-            self.hits.index_add_(0, b, ok[tested].double())
-            self.tries.index_add_(0, b, torch.ones_like(b, dtype=torch.float64))
+        acc = accepted.tolist()
+        for buckets, n in zip(self._round_buckets, acc):
+            for i, bucket in enumerate(buckets[: n + 1]):  # positions the target judged: accepted ones + 1
+                self.hits[bucket] += i < n
+                self.tries[bucket] += 1
         decay = 0.98
         if draft_time is not None and gamma > 0:
             per = draft_time / gamma
             self._draft_t = per if self._draft_t is None else 0.9 * self._draft_t + 0.1 * per
         if verify_time is not None:
             g = float(gamma)
-            self._vstats = self._vstats * decay + torch.tensor([1.0, g, g * g, verify_time, g * verify_time])
+            new = (1.0, g, g * g, verify_time, g * verify_time)
+            self._vstats = [decay * old + x for old, x in zip(self._vstats, new)]
         c, b = self.costs()
-        self._tokens = self._tokens * decay + float(acc.double().mean()) + 1.0
+        self._tokens = self._tokens * decay + sum(acc) / max(len(acc), 1) + 1.0
         self._cost = self._cost * decay + 1.0 + gamma * (c + b)

@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from decode.speculative import KVStream, SpecStats, _logits_width
+from decode.speculative import KVStream, SpecStats, _EvalMode, _logits_width
 
 
 def expected_tokens_per_round(a: float, gamma: float) -> float:
@@ -73,82 +73,88 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_forward(stream: KVStream, q: int, reps: int, gen: torch.Generator) -> float:
-    """Median seconds of a KV-cached q-token forward (each one cropped away again), after one warm-up."""
-    batch = stream.length.shape[0]
-    times = []
-    for i in range(reps + 1):
-        ids = torch.randint(0, stream.vocab, (batch, q), generator=gen)
-        _sync(stream.device)
-        t0 = time.perf_counter()
-        stream.feed(ids, None, keep=q)
-        _sync(stream.device)
-        if i:
-            times.append(time.perf_counter() - t0)
-        stream.rollback(q, torch.zeros(batch, dtype=torch.long), [0] * batch)
-    return statistics.median(times)
+class ForwardCostMeter:
+    """Standalone KV-cached forward times of both models, through the decoder's own forward path.
 
-
-def measure_forward_costs(
-    target: nn.Module,
-    draft: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    verify_tokens: list[int],
-    reps: int = 5,
-) -> dict:
-    """Standalone KV-cached forward times, the decoder's own forward path, on one (batch of) prompt(s).
+    ``sample()`` is called between the bench's timed runs, so the timings see the same machine state as the
+    runs (on a shared or throttling machine, a block of timings at one moment can be off by 30%); medians over
+    all samples give c and v.
 
     Args:
-        input_ids, attention_mask: ``[B, L]``: the cache is filled with this prompt first.
-        verify_tokens: the (g+1)-token verify sizes to time.
-
-    Returns:
-        {"target_ms", "draft_ms", "verify_ms": {q: ms}, "c", "v": {q: ratio}} with medians over ``reps``, and
-        "prefill_ms": {"target", "draft"}: one forward over the prompt (not part of c and v; it is reported so the
-        gap between measured and theoretical speedup can be told apart from loop overhead).
+        input_ids, attention_mask: ``[B, L]``: both caches are filled with this prompt first (timed once).
     """
-    gen = torch.Generator().manual_seed(0)
-    mask = None if attention_mask is None else attention_mask.bool()
-    prefill = {}
-    with torch.inference_mode():
-        streams = {}
-        for name, model in (("target", target), ("draft", draft)):
-            was_training = model.training
-            model.eval()
-            stream = KVStream(model, input_ids.shape[0], _logits_width(model))
-            _sync(stream.device)
-            t0 = time.perf_counter()
-            stream.feed(input_ids, mask, keep=1)
-            _sync(stream.device)
-            prefill[name] = (time.perf_counter() - t0) * 1e3
-            streams[name] = (stream, was_training)
-        t_target = _time_forward(streams["target"][0], 1, reps, gen)
-        t_draft = _time_forward(streams["draft"][0], 1, reps, gen)
-        verify = {q: _time_forward(streams["target"][0], q, reps, gen) for q in sorted(set(verify_tokens))}
-        for stream, was_training in streams.values():
-            stream.model.train(was_training)
-    return {
-        "target_ms": t_target * 1e3,
-        "draft_ms": t_draft * 1e3,
-        "verify_ms": {q: t * 1e3 for q, t in verify.items()},
-        "c": t_draft / t_target,
-        "v": {q: t / t_target for q, t in verify.items()},
-        "prefill_ms": prefill,
-        "prefill_tokens": int(input_ids.shape[1]),
-    }
+
+    def __init__(self, target: nn.Module, draft: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        self.gen = torch.Generator().manual_seed(0)
+        self.samples: dict[str, list[float]] = {"target": [], "draft": []}
+        self.verify: dict[int, list[float]] = {}
+        self.prefill_ms: dict[str, float] = {}
+        self.prefill_tokens = int(input_ids.shape[1])
+        self.streams: dict[str, KVStream] = {}
+        with torch.inference_mode(), _EvalMode(target, draft):
+            for name, model in (("target", target), ("draft", draft)):
+                stream = KVStream(model, input_ids.shape[0], _logits_width(model))
+                seconds = _timed(stream.device, lambda s=stream: s.feed(input_ids, attention_mask.bool(), keep=1))
+                self.prefill_ms[name] = seconds * 1e3
+                self.streams[name] = stream
+
+    def _forward(self, name: str, q: int) -> float:
+        """Seconds of one q-token forward, which is then cropped away again."""
+        stream = self.streams[name]
+        batch = stream.length.shape[0]
+        ids = torch.randint(0, stream.vocab, (batch, q), generator=self.gen)
+        seconds = _timed(stream.device, lambda: stream.feed(ids, None, keep=q))
+        stream.rollback(q, torch.zeros(batch, dtype=torch.long), [0] * batch)
+        return seconds
+
+    @property
+    def samples_taken(self) -> int:
+        return len(self.samples["target"])
+
+    def sample(self, verify_sizes: list[int]) -> None:
+        """One timed forward of each kind: target 1 token, draft 1 token, target q tokens for q in verify_sizes."""
+        with torch.inference_mode(), _EvalMode(self.streams["target"].model, self.streams["draft"].model):
+            self.samples["target"].append(self._forward("target", 1))
+            self.samples["draft"].append(self._forward("draft", 1))
+            for q in verify_sizes:
+                self.verify.setdefault(q, []).append(self._forward("target", q))
+
+    def summary(self, gamma: float) -> dict:
+        """c, v at the mean draft length ``gamma``, and the medians in ms.
+
+        v interpolates the verify time along a least-squares line through the per-size medians (1-token forward
+        included), evaluated at gamma + 1: mean gamma is fractional under ``auto`` and, at the end of a token
+        budget, slightly below a fixed gamma.
+        """
+        t1 = statistics.median(self.samples["target"])
+        medians = {1: t1, **{q: statistics.median(ts) for q, ts in self.verify.items()}}
+        tq = _line_at(list(medians.items()), gamma + 1.0) if len(medians) > 1 else t1
+        verify_ms = {q: t * 1e3 for q, t in sorted(medians.items()) if q > 1}
+        return {
+            "target_ms": t1 * 1e3,
+            "draft_ms": statistics.median(self.samples["draft"]) * 1e3,
+            "verify_ms": verify_ms,
+            "c": statistics.median(self.samples["draft"]) / t1,
+            "v": tq / t1,
+            "samples": self.samples_taken,
+            "prefill_ms": self.prefill_ms,
+            "prefill_tokens": self.prefill_tokens,
+        }
 
 
-def interpolate_v(v: dict[int, float], gamma: float) -> float:
-    """v at a fractional gamma (auto draft length) from the measured (g+1)-token sizes."""
-    q = gamma + 1.0
-    sizes = sorted(v)
-    if q <= sizes[0]:
-        return v[sizes[0]]
-    if q >= sizes[-1]:
-        return v[sizes[-1]]
-    hi = next(s for s in sizes if s >= q)
-    lo = max(s for s in sizes if s <= q)
-    if hi == lo:
-        return v[lo]
-    return v[lo] + (v[hi] - v[lo]) * (q - lo) / (hi - lo)
+def _line_at(points: list[tuple[float, float]], x: float) -> float:
+    """Least-squares line through (x_i, y_i), evaluated at x (exact interpolation for two points)."""
+    n = len(points)
+    mx = sum(p[0] for p in points) / n
+    my = sum(p[1] for p in points) / n
+    sxx = sum((p[0] - mx) ** 2 for p in points)
+    slope = sum((p[0] - mx) * (p[1] - my) for p in points) / sxx
+    return my + slope * (x - mx)
+
+
+def _timed(device: torch.device, fn) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0

@@ -261,9 +261,10 @@ class KVStream:
         for layer in self.cache.layers:
             if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                 continue
-            gather = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys = layer.keys.gather(2, gather)
-            layer.values = layer.values.gather(2, gather.expand(-1, -1, -1, layer.values.shape[-1]))
+            for name in ("keys", "values"):
+                states = getattr(layer, name)  # [B, heads, slots, dim]
+                index = idx[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
+                setattr(layer, name, states.gather(2, index))
         self.valid = self.valid.gather(1, idx)
         self.slots = width
 

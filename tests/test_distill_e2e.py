@@ -56,7 +56,7 @@ def write_recipe(tmp: Path, recipe: dict, name: str = "recipe.yaml") -> Path:
     return path
 
 
-def launch(recipe: Path, *extra: str, processes: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(recipe: Path, *extra: str, processes: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes)]
     cmd += ["--multi_gpu"] if processes > 1 else ["--cpu"]
     cmd += [SCRIPT, "--recipe", str(recipe), *extra]
@@ -66,7 +66,7 @@ def launch(recipe: Path, *extra: str, processes: int = 1, timeout: int = 300) ->
     return subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=timeout, cwd=REPO)
 
 
-def run_script(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+def run_script(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env(), timeout=timeout, cwd=REPO
     )
