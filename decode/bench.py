@@ -206,7 +206,7 @@ def _methods(baselines: Sequence[str], batch_size: int) -> list[str]:
     return methods
 
 
-MIN_COST_SAMPLES = 5
+MIN_COST_SAMPLES = 5  # per forward kind; auto cycles its verify sizes, so it takes at least one round of them
 
 
 def _load_avg() -> float | None:
@@ -214,9 +214,9 @@ def _load_avg() -> float | None:
 
 
 def _verify_sizes(controller) -> Iterator[int]:
-    """Verify sizes (gamma + 1 tokens) to time: the fixed one, or under auto a cycle over gamma = 1..5."""
+    """Verify sizes (gamma + 1 tokens) to time: the fixed one, or under auto a cycle over every gamma."""
     if isinstance(controller, AutoDraftLength):
-        return itertools.cycle(range(2, min(controller.max_gamma, 5) + 2))
+        return itertools.cycle(range(2, controller.max_gamma + 2))
     return itertools.repeat(controller.max_gamma + 1)
 
 
@@ -310,10 +310,13 @@ def run_bench(
                 bar.set_postfix(acc=f"{spec_stats.acceptance_rate:.2f}", tau=f"{spec_stats.mean_accepted_length:.2f}")
     bar.close()
 
-    while meter.samples_taken < MIN_COST_SAMPLES:
+    minimum = MIN_COST_SAMPLES
+    if isinstance(controller, AutoDraftLength):
+        minimum = max(minimum, controller.max_gamma)
+    while meter.samples_taken < minimum:
         meter.sample([next(verify_sizes)])
     gamma = spec_stats.mean_num_draft_tokens
-    costs = meter.summary(gamma)
+    costs = meter.summary(spec_stats.gamma_used)
     c, v = costs["c"], costs["v"]
     tau = spec_stats.mean_accepted_length
     theory = theoretical_speedup(tau, gamma, c, v)

@@ -1,19 +1,25 @@
 """How many tokens the draft proposes per round: fixed gamma, or ``auto``.
 
-``auto`` stops each draft when the next draft token is no longer worth its cost. Acceptance is bursty (a
-draft is right for a whole identifier, then wrong at the next decision), so a per-token signal beats any
-single gamma: the draft's own confidence, calibrated online against what the target actually accepted.
+``auto`` decides after every draft token whether to draft more, by expected tokens per second:
 
-Drafting one more token costs one draft forward plus the extra verify cost of a longer target pass, in units
-of one target forward: ``c + b``. It gains the probability that every draft token so far *and* the new one
-are accepted. Rate maximisation (tokens per unit cost, a renewal-reward argument) says: draft one more token
-iff that expected gain exceeds ``rate * (c + b)``, where ``rate`` is the decoder's current tokens per unit
-cost. ``c`` and ``b`` are measured from the loop's own forward timings (or ``c`` is given).
+* gain: the chance that the draft so far survives verification (the product of calibrated acceptance
+  probabilities of its tokens: the draft's confidence in each, mapped through an online calibration against
+  what the target actually accepted), times the mean acceptance for each further token (acceptance of a
+  token barely depends on its predecessor's, so the running mean is the honest forecast);
+* cost: the further draft forwards plus the growth of the verify pass, from a table of the loop's own
+  measured verify times per draft length (medians). The table, not a line: on CPUs, matmul speed depends on
+  the row count (with MKL a 4-token target forward is cheaper than a 3-token one), so "one more token"
+  can cost less than nothing.
+
+Rate maximisation (a renewal-reward argument) says: draft on iff some longer draft has expected extra tokens
+> current tokens-per-second x its extra seconds. The decoder stays lossless whatever this decides.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
+import statistics
 
 import torch
 
@@ -28,7 +34,7 @@ class FixedDraftLength:
             raise ValueError(f"num_draft_tokens must be >= 1 or 'auto', got {gamma}")
         self.max_gamma = gamma
 
-    def start_round(self, batch_size: int) -> None:
+    def start_round(self, batch_size: int, gamma_cap: int) -> None:
         pass
 
     def keep_drafting(self, confidence: torch.Tensor | None) -> bool:
@@ -41,41 +47,45 @@ class FixedDraftLength:
 
 
 class AutoDraftLength:
-    """Adaptive draft length: continue while the expected gain of one more draft token exceeds its cost.
+    """Adaptive draft length; see the module docstring.
 
-    One instance may be reused across calls (e.g. over a bench's prompts) so the calibration carries over;
-    the decoder stays lossless whatever this object decides — it only changes speed.
+    One instance may be reused across calls (e.g. over a bench's prompts) so calibration and timings carry over.
 
     Args:
         max_gamma: hard cap on tokens per draft.
-        draft_cost_ratio: c, draft forward / target forward; measured from the loop's timings when None.
-        prior_strength: pseudo-counts per confidence bucket of the prior.
+        draft_cost_ratio: c, draft forward / target forward, used until the loop has timed its own forwards.
+        prior_strength: pseudo-counts per confidence bucket of the calibration prior.
     """
 
     needs_confidence = True
 
     # Confidence buckets, finer at low confidence, where most draft tokens of a weak draft fall.
     EDGES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
+    # Before any timing, costs in units of one target forward: a verify of g drafts costs 1 + 0.1 g.
+    PRIOR_VERIFY_SLOPE = 0.1
+    PRIOR_RATE = 1.3  # tokens per unit
 
     def __init__(self, max_gamma: int = 12, draft_cost_ratio: float | None = None, prior_strength: float = 3.0):
         if max_gamma < 1:
             raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
         self.max_gamma = max_gamma
-        self.fixed_c = draft_cost_ratio
+        self.c = draft_cost_ratio if draft_cost_ratio is not None else 0.15
         # Plain Python floats: this runs once per draft token, and a handful of rows is faster without tensors.
         centers = [(lo + hi) / 2 for lo, hi in zip(self.EDGES, [*self.EDGES[1:], 1.0])]
         # Prior: acceptance rises with confidence, but a draft's argmax is often right even when it is unsure
         # (two models trained on the same data agree on the mode of a flat distribution).
         self.hits = [(1 + c) / 2 * prior_strength for c in centers]  # accepted pseudo-counts per bucket
         self.tries = [prior_strength] * len(centers)
-        # Cost model in seconds: draft forward time, and verify time = t0 + slope * gamma (least squares).
-        self._draft_t: float | None = None
-        self._vstats = [0.0] * 5  # sums of 1, g, g^2, t, g*t (exponentially decayed)
-        self._tokens = 0.0  # decayed tokens emitted per row ...
-        self._cost = 0.0  # ... and decayed cost (target-forward units) per row, for the running rate
-        self._threshold = 0.0
+        # The loop's own timings (seconds); medians, because a shared machine has spikes.
+        self._draft_times: collections.deque[float] = collections.deque(maxlen=256)  # per draft forward
+        self._verify_times: dict[int, collections.deque[float]] = {}  # per draft length
+        self._rounds_log: collections.deque[tuple[float, float]] = collections.deque(maxlen=64)  # (tokens, s)
+        self._rounds = 0
+        self._verify, self._draft, self._rate = self._prior_costs()
+        self._mean_accept = 0.5
         self._survival: list[float] = []
         self._round_buckets: list[list[int]] = []
+        self._cap = max_gamma
 
     # -- calibration -------------------------------------------------------------------------------------------
     def _bucket(self, confidence: float) -> int:
@@ -89,60 +99,74 @@ class AutoDraftLength:
         return self.hits[b] / self.tries[b]
 
     # -- costs ----------------------------------------------------------------------------------------------------
-    def costs(self) -> tuple[float, float]:
-        """(c, b): draft forward and marginal verify cost per draft token, in target-forward units."""
-        n, sg, sgg, st, sgt = self._vstats
-        if n < 2 or self._draft_t is None:
-            return (self.fixed_c if self.fixed_c is not None else 0.15), 0.1
-        var = sgg / n - (sg / n) ** 2
-        slope = (sgt / n - sg / n * st / n) / var if var > 1e-9 else 0.0
-        t0 = max(st / n - slope * sg / n, 1e-9)
-        b = min(max(slope / t0, 0.0), 1.0)
-        c = self.fixed_c if self.fixed_c is not None else min(max(self._draft_t / t0, 1e-3), 1.0)
-        return c, b
+    def _prior_costs(self) -> tuple[list[float], float, float]:
+        verify = [1.0 + self.PRIOR_VERIFY_SLOPE * g for g in range(self.max_gamma + 1)]
+        return verify, self.c, self.PRIOR_RATE
 
-    def rate(self) -> float:
-        """Running tokens per target-forward unit of cost (per row); 1.0 before any round."""
-        return self._tokens / self._cost if self._cost > 0 else 1.0
+    def verify_costs(self) -> list[float]:
+        """Current verify cost per draft length 0..max_gamma (seconds once timed, else target-forward units)."""
+        return list(self._verify)
+
+    def _update_costs(self) -> None:
+        known = {g: statistics.median(ts) for g, ts in self._verify_times.items() if len(ts) >= 3}
+        if not known or not self._draft_times or len(self._rounds_log) < 4:
+            return
+        gs = sorted(known)
+        verify = []
+        for g in range(self.max_gamma + 1):
+            if g in known:
+                verify.append(known[g])
+                continue
+            lo = max((k for k in gs if k < g), default=None)
+            hi = min((k for k in gs if k > g), default=None)
+            if lo is not None and hi is not None:  # interpolate between measured lengths
+                verify.append(known[lo] + (known[hi] - known[lo]) * (g - lo) / (hi - lo))
+            else:  # extrapolate with the prior's relative slope from the nearest measured length
+                ref = lo if lo is not None else hi
+                verify.append(known[ref] * (1 + self.PRIOR_VERIFY_SLOPE * g) / (1 + self.PRIOR_VERIFY_SLOPE * ref))
+        tokens = sum(t for t, _ in self._rounds_log)
+        seconds = sum(s for _, s in self._rounds_log)
+        self._verify, self._draft, self._rate = verify, statistics.median(self._draft_times), tokens / seconds
 
     # -- the decoder's hooks ---------------------------------------------------------------------------------------
-    def start_round(self, batch_size: int) -> None:
-        c, b = self.costs()
-        self._threshold = self.rate() * (c + b)
+    def start_round(self, batch_size: int, gamma_cap: int) -> None:
+        if self._rounds % 8 == 0:  # medians are cheap, but not free at every round
+            self._update_costs()
+        self._rounds += 1
         self._survival = [1.0] * batch_size
         self._round_buckets = [[] for _ in range(batch_size)]
+        self._cap = min(gamma_cap, self.max_gamma)
 
     def keep_drafting(self, confidence: torch.Tensor | None) -> bool:
         """Called after each drafted token with the draft's confidence in it, ``[B]``; True = draft another."""
         assert confidence is not None
-        gain = 0.0
         for row, conf in enumerate(confidence.tolist()):
             bucket = self._bucket(conf)
             self._round_buckets[row].append(bucket)
-            a = self.hits[bucket] / self.tries[bucket]
-            self._survival[row] *= a
-            # The next token's acceptance is unknown before drafting it; confidence persists, so use this one's.
-            gain += self._survival[row] * a
-        return gain / len(self._survival) > self._threshold
+            self._survival[row] *= self.hits[bucket] / self.tries[bucket]
+        k = len(self._round_buckets[0])
+        survival = sum(self._survival) / len(self._survival)
+        gain = 0.0
+        for longer in range(k + 1, self._cap + 1):
+            gain += survival * self._mean_accept ** (longer - k)
+            cost = (longer - k) * self._draft + self._verify[longer] - self._verify[k]
+            if gain > self._rate * cost:
+                return True
+        return False
 
     def end_round(
         self, gamma: int, accepted: torch.Tensor, draft_time: float | None, verify_time: float | None
     ) -> None:
-        """Update calibration and costs. ``accepted``: ``[B]`` accepted draft tokens per row; times in seconds
+        """Update calibration and timings. ``accepted``: ``[B]`` accepted draft tokens per row; times in seconds
         (None for a prefill round, whose cost says nothing about per-token costs)."""
         acc = accepted.tolist()
         for buckets, n in zip(self._round_buckets, acc):
             for i, bucket in enumerate(buckets[: n + 1]):  # positions the target judged: accepted ones + 1
                 self.hits[bucket] += i < n
                 self.tries[bucket] += 1
-        decay = 0.98
-        if draft_time is not None and gamma > 0:
-            per = draft_time / gamma
-            self._draft_t = per if self._draft_t is None else 0.9 * self._draft_t + 0.1 * per
-        if verify_time is not None:
-            g = float(gamma)
-            new = (1.0, g, g * g, verify_time, g * verify_time)
-            self._vstats = [decay * old + x for old, x in zip(self._vstats, new)]
-        c, b = self.costs()
-        self._tokens = self._tokens * decay + sum(acc) / max(len(acc), 1) + 1.0
-        self._cost = self._cost * decay + 1.0 + gamma * (c + b)
+        self._mean_accept = sum(self.hits) / sum(self.tries)
+        if draft_time is not None and verify_time is not None:
+            if gamma > 0:
+                self._draft_times.append(draft_time / gamma)
+            self._verify_times.setdefault(gamma, collections.deque(maxlen=64)).append(verify_time)
+            self._rounds_log.append((sum(acc) / max(len(acc), 1) + 1.0, draft_time + verify_time))

@@ -7,6 +7,7 @@ tau = tokens emitted per target forward.
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 
@@ -119,37 +120,45 @@ class ForwardCostMeter:
             for q in verify_sizes:
                 self.verify.setdefault(q, []).append(self._forward("target", q))
 
-    def summary(self, gamma: float) -> dict:
-        """c, v at the mean draft length ``gamma``, and the medians in ms.
+    def summary(self, gammas: list[int]) -> dict:
+        """c, v and the medians (ms), given the draft length of every decoding round.
 
-        v interpolates the verify time along a least-squares line through the per-size medians (1-token forward
-        included), evaluated at gamma + 1: mean gamma is fractional under ``auto`` and, at the end of a token
-        budget, slightly below a fixed gamma.
+        v is the mean over rounds of (verify time of that round's g + 1 tokens) / (1-token time): verify time is
+        not linear in the token count on every machine (with MKL on CPU, 4 rows are cheaper than 3), so a
+        varying draft length (``auto``) is costed round by round. Sizes that were not sampled are interpolated.
         """
         t1 = statistics.median(self.samples["target"])
         medians = {1: t1, **{q: statistics.median(ts) for q, ts in self.verify.items()}}
-        tq = _line_at(list(medians.items()), gamma + 1.0) if len(medians) > 1 else t1
+        counts = collections.Counter(gammas)
+        total = sum(counts.values()) or 1
+        v = sum(n * _interpolate(medians, g + 1) for g, n in counts.items()) / total / t1
         verify_ms = {q: t * 1e3 for q, t in sorted(medians.items()) if q > 1}
         return {
             "target_ms": t1 * 1e3,
             "draft_ms": statistics.median(self.samples["draft"]) * 1e3,
             "verify_ms": verify_ms,
             "c": statistics.median(self.samples["draft"]) / t1,
-            "v": tq / t1,
+            "v": v,
             "samples": self.samples_taken,
             "prefill_ms": self.prefill_ms,
             "prefill_tokens": self.prefill_tokens,
         }
 
 
-def _line_at(points: list[tuple[float, float]], x: float) -> float:
-    """Least-squares line through (x_i, y_i), evaluated at x (exact interpolation for two points)."""
-    n = len(points)
-    mx = sum(p[0] for p in points) / n
-    my = sum(p[1] for p in points) / n
-    sxx = sum((p[0] - mx) ** 2 for p in points)
-    slope = sum((p[0] - mx) * (p[1] - my) for p in points) / sxx
-    return my + slope * (x - mx)
+def _interpolate(points: dict[int, float], x: float) -> float:
+    """Piecewise-linear through ``points`` {x: y}; linear extrapolation from the two nearest ends."""
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    if x in points:
+        return points[x]
+    lo = max((p for p in xs if p < x), default=None)
+    hi = min((p for p in xs if p > x), default=None)
+    if lo is None:
+        lo, hi = xs[0], xs[1]
+    elif hi is None:
+        lo, hi = xs[-2], xs[-1]
+    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
 
 
 def _timed(device: torch.device, fn) -> float:

@@ -557,7 +557,7 @@ def _propose(
         (draft tokens ``[B, g]``, their distributions q ``[B, g, V]`` when sampling, else None).
     """
     batch = pending_ids.shape[0]
-    controller.start_round(batch)
+    controller.start_round(batch, gamma_cap)
     tokens: list[torch.Tensor] = []
     qs: list[torch.Tensor] = []
     if gamma_cap > 0:

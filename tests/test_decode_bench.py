@@ -15,7 +15,7 @@ from decode_helpers import char_tokenizer, save_tiny_pair, tiny_pair
 from decode.__main__ import main
 from decode.bench import encode_prompts, load_prompts, run_bench
 from decode.metrics import (
-    _line_at,
+    _interpolate,
     expected_tokens_per_round,
     leviathan_bound,
     solve_acceptance,
@@ -57,8 +57,9 @@ def test_leviathan_formulas():
     # (1 - a^(g+1)) / ((1 - a)(g c + 1)), e.g. a = 0.5, g = 2, c = 0.25: 1.75 / 1.5
     assert leviathan_bound(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)
     assert theoretical_speedup(2.0, 3, 0.1, 1.2) == pytest.approx(2.0 / 1.5)
-    assert _line_at([(1, 10.0), (4, 13.0)], 3.5) == pytest.approx(12.5)
-    assert _line_at([(1, 10.0), (2, 11.0), (3, 12.0)], 6) == pytest.approx(15.0)
+    assert _interpolate({1: 10.0, 4: 13.0}, 3.5) == pytest.approx(12.5)
+    assert _interpolate({1: 10.0, 2: 11.0, 3: 14.0}, 2) == 11.0
+    assert _interpolate({1: 10.0, 2: 11.0, 3: 14.0}, 5) == pytest.approx(20.0)  # extrapolates the last segment
 
 
 # ---------------------------------------------------------------------------------------------------------------
