@@ -3,7 +3,7 @@
 # measured speedup and acceptance of best/ on the dev prompts. Prints a markdown table; runs go to $OUT.
 #
 #   bash bench/ablation.sh                      # 4 losses x 3 sources, MINUTES=4 each (~1 h on 2 CPU cores)
-#   MINUTES=2 LOSSES="fkl tvd" SOURCES="target" bash bench/ablation.sh
+#   MINUTES=2 LOSSES="fkl tvd" SOURCES="target" bash bench/ablation.sh eval.num_prompts=20   # extra overrides
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/draftsmith-ablation}
@@ -21,7 +21,7 @@ for loss in $LOSSES; do
         python train/distill.py --recipe "$RECIPE" --overwrite \
             distill.loss="$loss" distill.beta=0.5 distill.source="$source" distill.mix_lambda=0.5 \
             train.max_minutes="$MINUTES" train.max_steps=100000 eval.every=100000 log.report_to=none \
-            data.max_train_prompts="$PROMPTS" distill.cache_dir="$OUT/rollout_cache" output_dir="$run" > "$run.log" 2>&1 || { echo "failed: $run (see $run.log)"; continue; }
+            data.max_train_prompts="$PROMPTS" distill.cache_dir="$OUT/rollout_cache" output_dir="$run" "$@" > "$run.log" 2>&1 || { echo "failed: $run (see $run.log)"; continue; }
     done
 done
 python - "$OUT" <<'PY'

@@ -21,6 +21,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported lazily at run time: --help stays fast
+    import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -65,10 +69,30 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", dest="json_out", default=None, help="write the result object here")
     b.add_argument("--plot", default=None, help="PNG: per-position acceptance and tokens/s per method")
     b.add_argument("--samples-out", default=None, help="JSONL of every method's output per prompt")
-    b.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    b.add_argument(
+        "--dtype", choices=DTYPES, default=None,
+        help="default: bfloat16 on GPU, and on a CPU with native bf16 (AVX512-BF16/AMX) when the checkpoint is "
+        "stored in bf16; else float32",
+    )  # fmt: skip
     b.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
+
+
+def default_dtype(path: str, device: torch.device) -> torch.dtype:
+    """bf16 on GPU; on CPU bf16 for a bf16 checkpoint on a CPU with native bf16 matmuls, else float32."""
+    import torch
+    from transformers import AutoConfig
+
+    from decode.speculative import cpu_has_native_bf16
+
+    if device.type != "cpu":
+        return torch.bfloat16
+    try:
+        stored = getattr(AutoConfig.from_pretrained(path), "dtype", None)
+    except (OSError, ValueError):
+        stored = None
+    return torch.bfloat16 if stored in (torch.bfloat16, "bfloat16") and cpu_has_native_bf16() else torch.float32
 
 
 def _load(path: str, dtype, device):
@@ -119,7 +143,7 @@ def bench(args: argparse.Namespace) -> dict:
         if args.device == "auto"
         else torch.device(args.device)
     )
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(args.target, device)
     target, target_tok = _load(args.target, dtype, device)
     draft, draft_tok = _load(args.draft, dtype, device)
     check_vocab_compatible(target, draft, target_tok, draft_tok)

@@ -39,6 +39,7 @@ its backward pass. ``top_k >= vocab`` uses the full distributions.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -224,72 +225,11 @@ def distill_loss(
     return per_token.mean()
 
 
-def forward_kl(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    vocab_size: int | None = None,
-) -> torch.Tensor:
-    """KL(p_target || p_draft) per completion token, mean. Logits [batch, seq, V], mask [batch, seq] -> scalar."""
-    return distill_loss(
-        student_logits, teacher_logits, mask, loss="fkl", temperature=temperature, top_k=top_k, vocab_size=vocab_size
-    )
-
-
-def reverse_kl(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    vocab_size: int | None = None,
-) -> torch.Tensor:
-    """KL(p_draft || p_target) per completion token, mean. Logits [batch, seq, V], mask [batch, seq] -> scalar."""
-    return distill_loss(
-        student_logits, teacher_logits, mask, loss="rkl", temperature=temperature, top_k=top_k, vocab_size=vocab_size
-    )
-
-
-def generalized_jsd(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    vocab_size: int | None = None,
-) -> torch.Tensor:
-    """Generalized JSD(beta) per completion token, mean (beta=0: forward KL, beta=1: reverse KL) -> scalar."""
-    return distill_loss(
-        student_logits,
-        teacher_logits,
-        mask,
-        loss="jsd",
-        beta=beta,
-        temperature=temperature,
-        top_k=top_k,
-        vocab_size=vocab_size,
-    )
-
-
-def tvd(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    vocab_size: int | None = None,
-) -> torch.Tensor:
-    """Total variation distance per completion token, mean, in [0, 1] -> scalar."""
-    return distill_loss(
-        student_logits, teacher_logits, mask, loss="tvd", temperature=temperature, top_k=top_k, vocab_size=vocab_size
-    )
+# Named shorthands of distill_loss (same arguments; beta matters for generalized_jsd only).
+forward_kl = functools.partial(distill_loss, loss="fkl")  # KL(p_target || p_draft)
+reverse_kl = functools.partial(distill_loss, loss="rkl")  # KL(p_draft || p_target)
+generalized_jsd = functools.partial(distill_loss, loss="jsd")  # beta=0: forward KL, beta=1: reverse KL
+tvd = functools.partial(distill_loss, loss="tvd")  # total variation distance, in [0, 1]
 
 
 @torch.no_grad()

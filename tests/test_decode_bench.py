@@ -13,7 +13,7 @@ import torch
 from decode_helpers import char_tokenizer, save_tiny_pair, tiny_pair
 
 from decode.__main__ import main
-from decode.bench import encode_prompts, load_prompts, run_bench
+from decode.bench import encode_prompts, greedy_agreement, load_prompts, run_bench
 from decode.metrics import (
     _interpolate,
     expected_tokens_per_round,
@@ -145,11 +145,37 @@ def test_run_bench_greedy_contract(tmp_path, gamma):
         result["tokens_per_s"]["speculative"] / result["tokens_per_s"]["target"]
     )
     assert result["target_tokens_per_s"]["loop"] <= result["tokens_per_s"]["target"]
+    agreement = result["greedy_agreement"]
+    assert agreement["rows"] == 3 and agreement["divergences"] == []
+    assert agreement["rows_equal"] == {"speculative": 3, "target_loop": 3, "hf_assisted": 3}
     json.dumps(result)  # serialisable as is
     lines = [json.loads(x) for x in samples.read_text().splitlines()]
     assert len(lines) == 3 * 3 and {x["method"] for x in lines} == {"speculative", "target", "hf_assisted"}
     by = {(x["id"], x["method"]): x["new_token_ids"] for x in lines}
     assert all(by[(p["id"], "speculative")] == by[(p["id"], "target")] for p in PROMPTS)
+
+
+def test_greedy_agreement_measures_the_margin_at_a_divergence():
+    target, _ = _pair()
+    ids = torch.tensor([[0, 5, 6, 7], [3, 4, 5, 6]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])  # row 0 left-padded
+    with torch.no_grad():
+        logits = target(input_ids=torch.tensor([[5, 6, 7]])).logits[0, -1]
+    top2 = logits.topk(2).indices.tolist()
+    reference = [[top2[0], 9], [1, 2]]
+    outputs = {
+        "target_generate": {0: reference},
+        "speculative": {0: [[top2[1], 9], [1, 2]]},  # row 0 takes the runner-up at position 0
+        "target_loop": {0: [[top2[0], 9], [1]]},  # row 1 stops early: a prefix, not a flipped argmax
+    }
+    got = greedy_agreement(target, [(ids, mask)], outputs)
+    assert got["rows"] == 2 and got["rows_equal"] == {"speculative": 1, "target_loop": 1}
+    flip, stop = got["divergences"]
+    assert (flip["method"], flip["row"], flip["position"]) == ("speculative", 0, 0)
+    assert flip["margin"] == pytest.approx(float(logits[top2[0]] - logits[top2[1]]), abs=1e-5)
+    assert flip["margin_in_spacings"] > 1  # fp32: far above rounding, i.e. a real disagreement
+    assert (stop["method"], stop["row"], stop["position"]) == ("target_loop", 1, 1) and "margin" not in stop
+    assert got["max_margin_in_spacings"] == flip["margin_in_spacings"]
 
 
 def test_run_bench_sampling_batched_target_only():

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from decode.speculative import cpu_has_native_bf16
 from distill.config import LoraConfig, ModelConfig, QuantConfig
 from distill.models import (
     bnb_config,
@@ -73,11 +74,13 @@ def _ids(n=10, vocab=200):
     return torch.randint(1, vocab, (2, n), generator=torch.Generator().manual_seed(0))
 
 
-def test_load_target_is_frozen_fp32_on_cpu(pair):
+def test_load_target_is_frozen_in_the_cpus_fast_dtype(pair):
     target = load_target(ModelConfig(model=str(pair / "target")), device="cpu")
     assert not target.training
     assert all(not p.requires_grad for p in target.parameters())
-    assert target.dtype == torch.float32  # auto on CPU
+    assert target.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)  # auto on CPU
+    fp32 = load_target(ModelConfig(model=str(pair / "target"), dtype="float32"), device="cpu")
+    assert fp32.dtype == torch.float32
     bf16 = load_target(ModelConfig(model=str(pair / "target"), dtype="bfloat16"), device="cpu")
     assert bf16.dtype == torch.bfloat16
     assert context_length(target) == 128
