@@ -71,28 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--samples-out", default=None, help="JSONL of every method's output per prompt")
     b.add_argument(
         "--dtype", choices=DTYPES, default=None,
-        help="default: bfloat16 on GPU, and on a CPU with native bf16 (AVX512-BF16/AMX) when the checkpoint is "
-        "stored in bf16; else float32",
+        help="default: bfloat16 on GPU and on a CPU with native bf16 (AVX512-BF16/AMX), else float32",
     )  # fmt: skip
     b.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
-def default_dtype(path: str, device: torch.device) -> torch.dtype:
-    """bf16 on GPU; on CPU bf16 for a bf16 checkpoint on a CPU with native bf16 matmuls, else float32."""
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPU and on a CPU with native bf16 matmuls (where it makes verification cheap), else float32."""
     import torch
-    from transformers import AutoConfig
 
     from decode.speculative import cpu_has_native_bf16
 
-    if device.type != "cpu":
-        return torch.bfloat16
-    try:
-        stored = getattr(AutoConfig.from_pretrained(path), "dtype", None)
-    except (OSError, ValueError):
-        stored = None
-    return torch.bfloat16 if stored in (torch.bfloat16, "bfloat16") and cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if device.type != "cpu" or cpu_has_native_bf16() else torch.float32
 
 
 def _load(path: str, dtype, device):
@@ -143,7 +135,7 @@ def bench(args: argparse.Namespace) -> dict:
         if args.device == "auto"
         else torch.device(args.device)
     )
-    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(args.target, device)
+    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(device)
     target, target_tok = _load(args.target, dtype, device)
     draft, draft_tok = _load(args.draft, dtype, device)
     check_vocab_compatible(target, draft, target_tok, draft_tok)
