@@ -422,7 +422,10 @@ def check_trl() -> str:
 
 
 def parse_fractions(text: str) -> list[float]:
-    fractions = sorted({float(x) for x in text.split(",") if x.strip()})
+    try:
+        fractions = sorted({float(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        fractions = []
     if not fractions or any(not 0 < f <= 1 for f in fractions):
         fail(f"--fractions {text!r}: give comma-separated numbers in (0, 1], e.g. 0.333,0.667,1.0")
     return fractions

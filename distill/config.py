@@ -331,7 +331,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 errors.append(str(e))
         raise RecipeError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
     if origin is Literal:
-        if value in args:
+        if isinstance(value, bool) and "no" in args:  # YAML 1.1 reads a bare `no` (mixed_precision: no) as false
+            value = "yes" if value else "no"
+        if value in args and not isinstance(value, bool):
             return value
         close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""

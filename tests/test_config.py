@@ -109,3 +109,11 @@ def test_pretrain_schema_is_separate():
     assert recipe.model.hidden_size == 128
     with pytest.raises(RecipeError, match="unknown key 'distill'"):
         load_recipe(None, ["distill.loss=fkl"], cls=PretrainRecipe)
+
+
+def test_bare_no_is_the_string_no_where_a_choice_expects_it(tmp_path):
+    # YAML 1.1 reads `no` as false; train.mixed_precision's choices include the string "no".
+    assert load_recipe(write(tmp_path, "train:\n  mixed_precision: no\n")).train.mixed_precision == "no"
+    assert load_recipe(None, ["train.mixed_precision=no"]).train.mixed_precision == "no"
+    with pytest.raises(RecipeError, match="distill.loss"):
+        load_recipe(None, ["distill.loss=false"])  # a bool is still no valid choice elsewhere
