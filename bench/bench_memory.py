@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # workers import decode/distill from a source checkout without installing
 SHARED = ROOT.parent / "shared"
 PAIR = SHARED / "fixtures" / "stdlib-pair"
 TRAIN_PROMPTS = SHARED / "data" / "stdlib-train-prompts.jsonl"
