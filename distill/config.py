@@ -174,6 +174,7 @@ class EvalConfig:
     num_draft_tokens: int | str = _f(4, "gamma, or 'auto'")
     batch_size: int = _f(1, "eval decoding batch size")
     repeats: int = _f(1, "timing repeats per evaluation (median)")
+    hf_assisted: bool = _f(True, "also time HF generate(assistant_model=draft) (batch 1) for the card's vs-HF figure")
     keep_top_k: int = _f(2, "checkpoints kept, ranked by measured speedup (ties: acceptance)")
 
     def __post_init__(self) -> None:

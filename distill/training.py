@@ -167,10 +167,13 @@ def evaluate(
     merged = _merge_lora_for_eval(draft)
     was_training = draft.training
     draft.eval()
+    # A merged LoRA draft's base model holds the merged weights: a plain model, as HF's assisted generation needs.
+    plain = draft.get_base_model() if merged else draft
+    hf = recipe.eval.hf_assisted and recipe.eval.batch_size == 1 and not hasattr(plain, "peft_config")
     try:
         result = run_bench(
             target,
-            _in_serving_dtype(draft, target),
+            _in_serving_dtype(plain, target),
             tokenizer,
             list(prompts),
             target_name=recipe.target.model,
@@ -183,7 +186,7 @@ def evaluate(
             batch_size=recipe.eval.batch_size,
             repeats=recipe.eval.repeats,
             seed=recipe.train.seed,
-            baselines=("target",),
+            baselines=("target", "hf") if hf else ("target",),
             samples_out=samples_out,
             progress=True,
         )

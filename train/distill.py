@@ -407,8 +407,10 @@ def check_finite(accelerator, loss: torch.Tensor, step: int, ckpt_root: Path) ->
     """Stop on NaN/inf loss on any rank, naming the step and the last good checkpoint."""
     bad = accelerator.gather(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=loss.device)).sum()
     if bad > 0:
+        value = float(loss)
+        what = "NaN" if value != value else ("inf" if abs(value) == float("inf") else "NaN or inf on another rank")
         raise NonFiniteLoss(
-            f"loss is {float(loss)} at step {step + 1}; last good checkpoint: {last_good(ckpt_root)}. "
+            f"loss is {what} at step {step + 1}; last good checkpoint: {last_good(ckpt_root)}. "
             "Lower train.lr or check the data, then rerun with --resume"
         )
 
