@@ -102,6 +102,8 @@ def test_run_directory_contract(full_run):
     assert [c["step"] for c in report["checkpoints"]] == [0, 3, 6]
     for key in ("acceptance_rate", "mean_accepted_length", "per_position_acceptance", "speedup", "tokens_per_s"):
         assert key in report["best"]
+    # eval.hf_assisted (default): every evaluation also times HF assisted generation, for the card's figure
+    assert all(report[k]["speedup"]["vs_hf_assisted"] > 0 for k in ("base", "best"))
     # best/ is the checkpoint with the highest measured speedup, not the lowest loss
     best = max(report["checkpoints"], key=lambda c: (c["speedup"], c["acceptance_rate"], c["step"]))
     assert report["best_step"] == best["step"]
