@@ -103,10 +103,6 @@ class AutoDraftLength:
         verify = [1.0 + self.PRIOR_VERIFY_SLOPE * g for g in range(self.max_gamma + 1)]
         return verify, self.c, self.PRIOR_RATE
 
-    def verify_costs(self) -> list[float]:
-        """Current verify cost per draft length 0..max_gamma (seconds once timed, else target-forward units)."""
-        return list(self._verify)
-
     def _update_costs(self) -> None:
         known = {g: statistics.median(ts) for g, ts in self._verify_times.items() if len(ts) >= 3}
         if not known or not self._draft_times or len(self._rounds_log) < 4:

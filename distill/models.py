@@ -94,14 +94,15 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     return device
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """Recipe dtype name -> torch dtype; "auto": float32 on CPU, bfloat16 on CUDA (float16 without bf16)."""
+def resolve_dtype(dtype: str, device: torch.device, frozen: bool = False) -> torch.dtype:
+    """Recipe dtype name -> torch dtype; "auto": bfloat16 on CUDA (float16 without bf16); on CPU float32, or
+    bfloat16 for a ``frozen`` model (the target) where the CPU has native bf16 matmuls (cheap verification)."""
     if dtype != "auto":
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
         return _DTYPES[dtype]
     if device.type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if frozen and cpu_has_native_bf16() else torch.float32
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return torch.float16
     return torch.bfloat16
@@ -178,10 +179,7 @@ def load_target(cfg: ModelConfig, device: str | torch.device | None = None) -> P
     if cfg.lora.enabled:
         raise ValueError("target.lora.enabled: the target is frozen; LoRA adapters apply to the draft only")
     device = resolve_device(device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    if cfg.dtype == "auto" and device.type == "cpu" and cpu_has_native_bf16():
-        dtype = torch.bfloat16  # frozen: bf16 costs no accuracy that matters and makes verification cheap
-    model = _load_causal_lm(cfg, "target.model", device, dtype)
+    model = _load_causal_lm(cfg, "target.model", device, resolve_dtype(cfg.dtype, device, frozen=True))
     model.eval()
     model.requires_grad_(False)
     return model

@@ -18,6 +18,7 @@ checkpoints/step-N/ (draft + eval.json + training state), best/ (merged, loadabl
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -408,7 +409,7 @@ def check_finite(accelerator, loss: torch.Tensor, step: int, ckpt_root: Path) ->
     bad = accelerator.gather(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=loss.device)).sum()
     if bad > 0:
         value = float(loss)
-        what = "NaN" if value != value else ("inf" if abs(value) == float("inf") else "NaN or inf on another rank")
+        what = "NaN" if math.isnan(value) else ("inf" if math.isinf(value) else "NaN or inf on another rank")
         raise NonFiniteLoss(
             f"loss is {what} at step {step + 1}; last good checkpoint: {last_good(ckpt_root)}. "
             "Lower train.lr or check the data, then rerun with --resume"
