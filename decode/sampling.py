@@ -56,8 +56,9 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row from (possibly unnormalised, non-negative) weights, by inverting the CDF.
 
-    Same distribution as ``torch.multinomial(probs, 1)``, ~15x faster on CPU for a large vocabulary (the
-    decoder samples every draft token). The CDF is accumulated in float64; zero-weight tokens are never drawn.
+    Same distribution as ``torch.multinomial(probs, 1)``, ~8x faster on CPU (one row of 8192 tokens, one thread:
+    21 vs 180 us per draw; the decoder samples every draft token). The CDF is accumulated in float64;
+    zero-weight tokens are never drawn.
 
     Args:
         probs: ``[batch, vocab]`` non-negative weights; rows need not sum to 1.
