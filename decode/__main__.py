@@ -3,7 +3,8 @@
     python -m decode bench --target PATH_OR_ID --draft PATH_OR_ID --prompts FILE.jsonl \\
         [--max-new-tokens 64] [--temperature 0] [--top-p 1.0] [--top-k 0] [--num-draft-tokens N|auto] \\
         [--batch-size 1] [--limit N] [--repeats 3] [--seed 0] [--baselines target,hf] \\
-        [--json OUT] [--plot OUT.png] [--samples-out OUT.jsonl] [--dtype float32] [--device auto]
+        [--json OUT] [--plot OUT.png] [--samples-out OUT.jsonl] [--dtype float32] [--draft-dtype float32]
+        [--device auto]
 
 Example (the reference pair, greedy, batch 1):
 
@@ -73,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=DTYPES, default=None,
         help="default: bfloat16 on GPU and on a CPU with native bf16 (AVX512-BF16/AMX), else float32",
     )  # fmt: skip
+    b.add_argument(
+        "--draft-dtype", choices=DTYPES, default=None,
+        help="the draft's dtype (default: --dtype). On CPU a float32 draft runs its linear layers on transposed "
+        "weight copies and can be faster than bf16: the output is the target's either way",
+    )  # fmt: skip
     b.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -137,7 +143,8 @@ def bench(args: argparse.Namespace) -> dict:
     )
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(device)
     target, target_tok = _load(args.target, dtype, device)
-    draft, draft_tok = _load(args.draft, dtype, device)
+    draft_dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else dtype
+    draft, draft_tok = _load(args.draft, draft_dtype, device)
     check_vocab_compatible(target, draft, target_tok, draft_tok)
     prompts = load_prompts(args.prompts, tokenizer=target_tok)
     if args.limit is not None:

@@ -381,6 +381,7 @@ def run_bench(
         "hf_assisted_config": HF_ASSISTED_CONFIG if "hf_assisted" in methods else None,
         "device": str(runner.device),
         "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
+        "draft_dtype": str(next(draft.parameters()).dtype).replace("torch.", ""),
         "torch_threads": torch.get_num_threads(),
         # 1-minute load average at start and end: timings on a shared machine are only as good as its quiet.
         "load_avg": {"start": load_start, "end": _load_avg()},

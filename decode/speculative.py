@@ -31,6 +31,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from decode.draft_length import AutoDraftLength, FixedDraftLength
+from decode.kernels import CpuLinears
 from decode.sampling import process_logits, sample, validate_sampling
 
 DraftLength = FixedDraftLength | AutoDraftLength
@@ -484,7 +485,7 @@ def speculative_generate(
     def proc(logits: torch.Tensor) -> torch.Tensor:
         return process_logits(logits, temperature, top_k, top_p)
 
-    with torch.inference_mode(), _EvalMode(target, draft):
+    with torch.inference_mode(), _EvalMode(target, draft), CpuLinears(target, draft):
         tgt = KVStream(target, batch, vocab)
         drf = KVStream(draft, batch, vocab)
         rows = list(range(batch))  # original index of each live row
@@ -668,7 +669,7 @@ def target_generate(
     check_context({"target": target}, int(prompt_mask.sum(1).max()), max_new_tokens)
     emitter = _Emitter(input_ids.shape[0], max_new_tokens, _eos_ids(target, eos_token_id), None, None)
     stats = SpecStats()
-    with torch.inference_mode(), _EvalMode(target):
+    with torch.inference_mode(), _EvalMode(target), CpuLinears(target):
         stream = KVStream(target, input_ids.shape[0], _logits_width(target))
         rows = list(range(input_ids.shape[0]))
         ids, valid = input_ids, prompt_mask
