@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Reproduce the README's decoder figures: the reference pair (../shared/fixtures/stdlib-pair) on 30 dev prompts,
-# 64 new tokens, this CPU. Greedy batch 1 at gamma 3/4/5/auto (vs target-only and HF assisted generation),
-# temperature 0.8, and greedy batch 4. JSON + plots go to $OUT (default /tmp/draftsmith-bench), nothing into the repo.
+# 64 new tokens, this CPU. Greedy batch 1 at gamma 3/4/5/auto (vs target-only and HF assisted generation) in the
+# default dtype (bf16 on a CPU with native bf16) and in float32 (gamma 3/auto), temperature 0.8, and greedy
+# batch 4. JSON + plots go to $OUT (default /tmp/draftsmith-bench), nothing into the repo.
 #
-#   bash bench/bench_decode.sh            # all runs (~25 min on 2 CPU cores)
+#   bash bench/bench_decode.sh            # all runs (~35 min on 2 CPU cores)
 #   LIMIT=5 REPEATS=1 bash bench/bench_decode.sh   # quick look
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,12 +30,14 @@ f = lambda x: "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str
 print(f"{sys.argv[2]:<14} acc {f(r['acceptance_rate'])} tau {f(r['mean_accepted_length'])} "
       f"g {f(r['mean_num_draft_tokens'])} c {f(r['draft_cost_ratio'])} v {f(r['verify_cost_ratio'])} "
       f"theory {f(r['theoretical_speedup'])} | tok/s spec {f(r['tokens_per_s']['speculative'])} "
-      f"target {f(r['tokens_per_s']['target'])} hf {f(r['tokens_per_s']['hf_assisted'])} | "
+      f"target {f(r['tokens_per_s']['target'])} (loop {f(r['target_tokens_per_s']['loop'])} "
+      f"generate {f(r['target_tokens_per_s']['generate'])}) hf {f(r['tokens_per_s']['hf_assisted'])} | "
       f"vs_target {f(r['speedup']['vs_target'])} vs_hf {f(r['speedup']['vs_hf_assisted'])} "
       f"eff {f(r['efficiency'])} match {f(r['outputs_match_target'])}")
 PY
 }
 
 for g in 3 4 5 auto; do run "greedy_g$g" --num-draft-tokens "$g"; done
+for g in 3 auto; do run "greedy_fp32_g$g" --num-draft-tokens "$g" --dtype float32; done
 run sample_t0.8_auto --temperature 0.8 --num-draft-tokens auto --baselines target
 run greedy_b4_auto --batch-size 4 --num-draft-tokens auto --baselines target

@@ -5,6 +5,10 @@ batch (their order rotating between repeats, so no method always runs on a warme
 per batch the median time over repeats, summed over batches. The target-only speed is the faster of
 draftsmith's own loop and ``model.generate``: speedups are never measured against a slow baseline. c and v are
 medians of standalone KV-cached forwards of the same models in the same run.
+
+On CPU both of draftsmith's loops run the models' linear layers through ``decode.kernels``; HF assisted
+generation is timed as HF runs it and, where those kernels apply, once more with them
+(``hf_assisted_same_kernels``), so the gain over HF splits into kernels and decoding loop.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from decode import kernels
 from decode.draft_length import AutoDraftLength
 from decode.metrics import (
     ForwardCostMeter,
@@ -41,7 +46,7 @@ from decode.speculative import (
     target_generate,
 )
 
-METHODS = ("speculative", "target_loop", "target_generate", "hf_assisted")
+METHODS = ("speculative", "target_loop", "target_generate", "hf_assisted", "hf_assisted_same_kernels")
 HF_ASSISTED_CONFIG = "transformers defaults (num_assistant_tokens=20, constant schedule, confidence threshold 0.4)"
 
 
@@ -184,8 +189,9 @@ class _Runner:
             )  # fmt: skip
             tokens = out.new_tokens
         else:
-            extra = {"assistant_model": self.draft} if method == "hf_assisted" else {}
-            with torch.inference_mode():
+            extra = {"assistant_model": self.draft} if method.startswith("hf_assisted") else {}
+            models = (self.target, self.draft) if method == "hf_assisted_same_kernels" else ()
+            with torch.inference_mode(), kernels.CpuLinears(*models):
                 seqs = self.target.generate(ids, attention_mask=mask, **self._generate_kwargs(), **extra)
             tokens = [_strip(row, self.eos) for row in seqs[:, ids.shape[1] :].tolist()]
         _sync(self.device)
@@ -195,7 +201,7 @@ class _Runner:
 # ---------------------------------------------------------------------------------------------------------------
 # The bench
 # ---------------------------------------------------------------------------------------------------------------
-def _methods(baselines: Sequence[str], batch_size: int) -> list[str]:
+def _methods(baselines: Sequence[str], batch_size: int, same_kernels: bool) -> list[str]:
     unknown = set(baselines) - {"target", "hf"}
     if unknown:
         raise ValueError(f"unknown baselines {sorted(unknown)}; choose from target, hf")
@@ -204,6 +210,8 @@ def _methods(baselines: Sequence[str], batch_size: int) -> list[str]:
         methods += ["target_loop", "target_generate"]
     if "hf" in baselines and batch_size == 1:  # HF assisted generation is batch-1 only (transformers #32165)
         methods.append("hf_assisted")
+        if same_kernels:
+            methods.append("hf_assisted_same_kernels")
     return methods
 
 
@@ -266,7 +274,7 @@ def run_bench(
     if repeats < 1 or batch_size < 1:
         raise ValueError("repeats and batch_size must be >= 1")
     check_vocab_compatible(target, draft)
-    methods = _methods(baselines, batch_size)
+    methods = _methods(baselines, batch_size, kernels.applies(target, draft))
     eos_id = tokenizer.eos_token_id
     eos = {eos_id} if eos_id is not None else set()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_id or 0)
@@ -355,10 +363,19 @@ def run_bench(
         "verify_cost_ratio": v,
         "leviathan_bound": leviathan_bound(solve_acceptance(tau, gamma), gamma, c),
         "theoretical_speedup": theory,
-        "tokens_per_s": {"speculative": spec_rate, "target": target_rate, "hf_assisted": rate["hf_assisted"]},
+        "tokens_per_s": {
+            "speculative": spec_rate,
+            "target": target_rate,
+            "hf_assisted": rate["hf_assisted"],
+            "hf_assisted_same_kernels": rate["hf_assisted_same_kernels"],
+        },
         "speedup": {
             "vs_target": spec_rate / target_rate if target_rate else None,
             "vs_hf_assisted": spec_rate / rate["hf_assisted"] if rate["hf_assisted"] else None,
+            # HF's assisted loop with draftsmith's CPU kernels: the gain of the decoding loop alone.
+            "vs_hf_assisted_same_kernels": (
+                spec_rate / rate["hf_assisted_same_kernels"] if rate["hf_assisted_same_kernels"] else None
+            ),
         },
         "outputs_match_target": match,
         # Detail beyond the contract.

@@ -94,6 +94,11 @@ def _eligible(module: nn.Module) -> bool:
     return type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in _DTYPES
 
 
+def applies(*models: nn.Module) -> bool:
+    """Whether ``CpuLinears(*models)`` would swap any layer."""
+    return enabled() and any(_eligible(m) for model in models for m in model.modules())
+
+
 class CpuLinears:
     """Context manager: swap every plain CPU float32/bf16 ``nn.Linear`` of ``models`` for ``_CpuLinear``.
 

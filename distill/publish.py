@@ -335,6 +335,7 @@ def _rows(ev: dict) -> list[tuple[str, str]]:
         ("τ, mean accepted length (tokens per target pass)", _fmt(ev.get("mean_accepted_length"), "{:.2f}")),
         ("speedup vs target-only decoding", _fmt(sp.get("vs_target"), "{:.2f}x")),
         ("speedup vs HF assisted generation", _fmt(sp.get("vs_hf_assisted"), "{:.2f}x")),
+        ("… with HF on draftsmith's CPU kernels", _fmt(sp.get("vs_hf_assisted_same_kernels"), "{:.2f}x")),
         ("tokens/s: speculative", _fmt(tps.get("speculative"), "{:.1f}")),
         ("tokens/s: target only", _fmt(tps.get("target"), "{:.1f}")),
         ("tokens/s: HF assisted generation", _fmt(tps.get("hf_assisted"), "{:.1f}")),

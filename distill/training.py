@@ -199,7 +199,7 @@ def evaluate(
 
 def _in_serving_dtype(draft: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Module:
     """The draft, or an eval-mode copy of it in the target's half-precision dtype (float32 master weights are
-    not how a draft is served; on a bf16-native CPU a float32 draft forward costs ~1.4x a bf16 one)."""
+    not how a draft is served next to a half-precision target)."""
     if any(getattr(m, attr, False) for m in (draft, target) for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit")):
         return draft
     want = next(target.parameters()).dtype
