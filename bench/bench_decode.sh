@@ -6,12 +6,14 @@
 #
 #   bash bench/bench_decode.sh            # all runs (~35 min on 2 CPU cores)
 #   LIMIT=5 REPEATS=1 bash bench/bench_decode.sh   # quick look
+#   RUNS="greedy_g3 greedy_fp32_g3" bash bench/bench_decode.sh   # only these runs (names below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED=${SHARED:-../shared}
 OUT=${OUT:-/tmp/draftsmith-bench}
 LIMIT=${LIMIT:-30}
 REPEATS=${REPEATS:-3}
+RUNS=${RUNS:-all}
 export HF_HUB_OFFLINE=1
 # One thread by default: on a shared 2-core machine two OpenMP threads stall whenever another process runs
 # (10x slower forwards); one thread gives stable ratios. THREADS=2 on a quiet machine.
@@ -22,6 +24,7 @@ common=(--target "$SHARED/fixtures/stdlib-pair/target" --draft "$SHARED/fixtures
 
 run() {  # name, extra args...
     local name=$1; shift
+    if [[ $RUNS != all && " $RUNS " != *" $name "* ]]; then return; fi
     python -m decode bench "${common[@]}" "$@" --json "$OUT/$name.json" --plot "$OUT/$name.png" > /dev/null
     python - "$OUT/$name.json" "$name" <<'PY'
 import json, sys

@@ -91,7 +91,14 @@ class _CpuLinear(nn.Module):
 
 
 def _eligible(module: nn.Module) -> bool:
-    return type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in _DTYPES
+    # Hooked layers (accelerate offloading, user hooks) keep their own forward: a swap would bypass the hooks.
+    hooked = module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")
+    return (
+        type(module) is nn.Linear
+        and not hooked
+        and module.weight.device.type == "cpu"
+        and module.weight.dtype in _DTYPES
+    )
 
 
 def applies(*models: nn.Module) -> bool:

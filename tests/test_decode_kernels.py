@@ -75,3 +75,14 @@ def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_CPU_KERNELS", "0")
     with CpuLinears(model):
         assert _linears(model) == before
+
+
+def test_hooked_layers_are_left_alone():
+    _, model = tiny_pair("llama")
+    hooked = model.get_output_embeddings()
+    calls = []
+    hooked.register_forward_hook(lambda *args: calls.append(1))
+    with CpuLinears(model):
+        assert model.get_output_embeddings() is hooked  # swapping it would bypass the hook
+        _logits(model, torch.tensor([[1, 2, 3]]))
+    assert calls == [1]
