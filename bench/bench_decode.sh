@@ -36,6 +36,7 @@ print(f"{sys.argv[2]:<14} acc {f(r['acceptance_rate'])} tau {f(r['mean_accepted_
       f"target {f(r['tokens_per_s']['target'])} (loop {f(r['target_tokens_per_s']['loop'])} "
       f"generate {f(r['target_tokens_per_s']['generate'])}) hf {f(r['tokens_per_s']['hf_assisted'])} | "
       f"vs_target {f(r['speedup']['vs_target'])} vs_hf {f(r['speedup']['vs_hf_assisted'])} "
+      f"(same kernels {f(r['speedup'].get('vs_hf_assisted_same_kernels'))}) "
       f"eff {f(r['efficiency'])} match {f(r['outputs_match_target'])}")
 PY
 }
