@@ -266,10 +266,26 @@ def test_cli_entry_point_runs(tmp_path, saved_pair):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps(PROMPTS[0])])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "decode", "bench", "--target", target, "--draft", draft, "--prompts", str(prompts),
-           "--max-new-tokens", "4", "--repeats", "1", "--baselines", "target", "--no-progress"]  # fmt: skip
+           "--max-new-tokens", "4", "--repeats", "1", "--baselines", "target", "--no-progress",
+           "--dtype", "bfloat16", "--draft-dtype", "float32"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["tokens_per_s"]["hf_assisted"] is None
+    result = json.loads(proc.stdout)
+    assert result["tokens_per_s"]["hf_assisted"] is None
+    assert (result["dtype"], result["draft_dtype"]) == ("bfloat16", "float32")
+
+
+def test_kernels_off_means_no_same_kernels_baseline(monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_CPU_KERNELS", "0")
+    target, draft = _pair()
+    result = run_bench(
+        target, draft, char_tokenizer(), PROMPTS[:1], target_name="t", draft_name="d", max_new_tokens=6,
+        num_draft_tokens=2, repeats=1, progress=False,
+    )  # fmt: skip
+    assert result["tokens_per_s"]["hf_assisted"] > 0
+    assert result["tokens_per_s"]["hf_assisted_same_kernels"] is None
+    assert result["speedup"]["vs_hf_assisted_same_kernels"] is None
+    assert result["outputs_match_target"] is True
 
 
 # ---------------------------------------------------------------------------------------------------------------
