@@ -24,8 +24,9 @@ Losslessness does not depend on it: the draft's numerics only change what is acc
 float32 products differ from ``nn.Linear``'s only in rounding order, exactly as a multi-row verify pass
 already does with PyTorch's own kernels (the bench's ``greedy_agreement`` checks outputs against
 ``model.generate`` every run). Both of draftsmith's loops use it, its target-only baseline included, so the
-speedup over target-only decoding is speculation's alone. GPUs, quantized and adapter-wrapped layers, and
-other dtypes are left as they are.
+speedup over target-only decoding is speculation's alone. GPUs, quantized layers, hooked layers (accelerate
+offloading) and other dtypes are left as they are; an adapter wrapper (PEFT LoRA) is kept and the plain linears
+inside it are swapped.
 """
 
 from __future__ import annotations
