@@ -69,13 +69,14 @@ class _CpuLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.linear = [linear]  # a list: not registered as a submodule, so the swap adds no module to the tree
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.float32 = linear.weight.dtype == torch.float32
+        # Looked up once per swap, not per forward: the weight cannot change while the decoding call runs.
+        self.copies = _copies(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        copies = _copies(self.linear[0])
+        copies = self.copies
         if self.float32 and x.numel() == self.in_features:  # one row
             if "transposed" not in copies:
                 copies["transposed"] = self.weight.detach().t().contiguous()

@@ -14,8 +14,7 @@ import time
 import torch
 from torch import nn
 
-from decode.kernels import CpuLinears
-from decode.speculative import KVStream, SpecStats, _EvalMode, _logits_width
+from decode.speculative import KVStream, SpecStats, _decoding, _logits_width
 
 
 def expected_tokens_per_round(a: float, gamma: float) -> float:
@@ -93,7 +92,7 @@ class ForwardCostMeter:
         self.prefill_ms: dict[str, float] = {}
         self.prefill_tokens = int(input_ids.shape[1])
         self.streams: dict[str, KVStream] = {}
-        with torch.inference_mode(), _EvalMode(target, draft), CpuLinears(target, draft):
+        with _decoding(target, draft):
             for name, model in (("target", target), ("draft", draft)):
                 stream = KVStream(model, input_ids.shape[0], _logits_width(model))
                 seconds = _timed(stream.device, lambda s=stream: s.feed(input_ids, attention_mask.bool(), keep=1))
@@ -115,12 +114,7 @@ class ForwardCostMeter:
 
     def sample(self, verify_sizes: list[int]) -> None:
         """One timed forward of each kind: target 1 token, draft 1 token, target q tokens for q in verify_sizes."""
-        draft = self.streams["draft"].model
-        with (
-            torch.inference_mode(),
-            _EvalMode(self.streams["target"].model, draft),
-            CpuLinears(self.streams["target"].model, draft),
-        ):
+        with _decoding(self.streams["target"].model, self.streams["draft"].model):
             self.samples["target"].append(self._forward("target", 1))
             self.samples["draft"].append(self._forward("draft", 1))
             for q in verify_sizes:

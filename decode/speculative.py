@@ -23,7 +23,9 @@ compacted before holes could enter a window. Finished rows leave the batch.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -432,6 +434,14 @@ class _EvalMode:
             m.train(mode)
 
 
+@contextlib.contextmanager
+def _decoding(*models: nn.Module) -> Iterator[None]:
+    """The form every decoding loop and every cost measurement runs the models in: inference mode, eval mode,
+    draftsmith's CPU kernels (one place, so the timed forwards are always the forwards the loops run)."""
+    with torch.inference_mode(), _EvalMode(*models), CpuLinears(*models):
+        yield
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The decoder
 # ---------------------------------------------------------------------------------------------------------------
@@ -485,7 +495,7 @@ def speculative_generate(
     def proc(logits: torch.Tensor) -> torch.Tensor:
         return process_logits(logits, temperature, top_k, top_p)
 
-    with torch.inference_mode(), _EvalMode(target, draft), CpuLinears(target, draft):
+    with _decoding(target, draft):
         tgt = KVStream(target, batch, vocab)
         drf = KVStream(draft, batch, vocab)
         rows = list(range(batch))  # original index of each live row
@@ -669,7 +679,7 @@ def target_generate(
     check_context({"target": target}, int(prompt_mask.sum(1).max()), max_new_tokens)
     emitter = _Emitter(input_ids.shape[0], max_new_tokens, _eos_ids(target, eos_token_id), None, None)
     stats = SpecStats()
-    with torch.inference_mode(), _EvalMode(target), CpuLinears(target):
+    with _decoding(target):
         stream = KVStream(target, input_ids.shape[0], _logits_width(target))
         rows = list(range(input_ids.shape[0]))
         ids, valid = input_ids, prompt_mask
