@@ -24,6 +24,8 @@ compacted before holes could enter a window. Finished rows leave the batch.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -177,6 +179,41 @@ def _sliding_window(model: nn.Module) -> int | None:
 # ---------------------------------------------------------------------------------------------------------------
 # One model's KV cache over a batch with per-row holes
 # ---------------------------------------------------------------------------------------------------------------
+def _innermost(model: nn.Module) -> nn.Module:
+    """The module whose ``forward`` really takes the inputs: PEFT and accelerate wrappers forward ``**kwargs``."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = getattr(model, "get_base_model", None)
+        if callable(inner):
+            model = inner()
+        elif hasattr(model, "module") and isinstance(model.module, nn.Module):  # DDP / accelerate wrappers
+            model = model.module
+    return model
+
+
+@functools.cache
+def _cache_keyword_of(forward_cls: type) -> str:
+    params = inspect.signature(forward_cls.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    # A forward that names neither (``**kwargs`` only): ask an HF model of this release what it takes.
+    from transformers import LlamaModel
+
+    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The forward keyword that takes a KV cache: ``cache`` (recent releases) or ``past_key_values``.
+
+    Passing the wrong one is silently swallowed by ``**kwargs`` and the model runs without a cache, so every
+    forward of draftsmith's loops goes through this name (and :meth:`KVStream.feed` checks the cache grew).
+    """
+    return _cache_keyword_of(type(_innermost(model)))
+
+
 class KVStream:
     """A model, its KV cache, and per row which cache slots hold real tokens.
 
@@ -195,6 +232,7 @@ class KVStream:
         self.vocab = vocab
         self.window = _sliding_window(model)
         self.forwards = 0
+        self.cache_kw = cache_keyword(model)
 
     def feed(self, ids: torch.Tensor, valid: torch.Tensor | None, keep: int) -> torch.Tensor:
         """Append ``ids`` ``[B, q]`` (``valid`` ``[B, q]`` bool or None = all real) to the cache.
@@ -224,11 +262,16 @@ class KVStream:
             input_ids=ids,
             attention_mask=mask,
             position_ids=position_ids,
-            cache=self.cache,
             use_cache=True,
             logits_to_keep=keep,
+            **{self.cache_kw: self.cache},
         )
         self.slots += q
+        if self.forwards == 0 and self.cache.get_seq_length() == 0:
+            raise RuntimeError(
+                f"{_name(self.model)} ignored the KV cache passed as {self.cache_kw}= (its forward takes the cache "
+                "under another keyword): report it with the output of `pip show transformers`"
+            )
         self.forwards += 1
         return out.logits[:, -keep:, : self.vocab]
 
