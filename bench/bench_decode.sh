@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce the README's decoder figures: the reference pair (../shared/fixtures/stdlib-pair) on 30 dev prompts,
+# Reproduce the decoder figures of docs/results.md: the reference pair ($SHARED/fixtures/stdlib-pair), 30 dev prompts,
 # 64 new tokens, this CPU. Greedy batch 1 at gamma 3/4/5/auto (vs target-only and HF assisted generation) in the
 # default dtype (bf16 on a CPU with native bf16) and in float32 (gamma 3/auto), temperature 0.8, and greedy
 # batch 4. JSON + plots go to $OUT (default /tmp/draftsmith-bench), nothing into the repo.

@@ -11,7 +11,7 @@ with (`distill.training.evaluate`: greedy speculative decoding, gamma 4, 64 new 
 optimizer steps/s), acceptance and tau per run, and the draftsmith budget that first matches TRL's acceptance.
 
     pip install trl==1.16.0     # not a draftsmith dependency; tested with 1.16.0
-    OMP_NUM_THREADS=1 python bench/trl_gkd_vs_draftsmith.py --minutes 6 --json /tmp/draftsmith-trl.json
+    OMP_NUM_THREADS=1 python bench/trl_gkd_vs_draftsmith.py --minutes 6 --json trl.json
 
 Expected wall time with the defaults (6 min, fractions 0.333,0.667,1.0, 30 eval prompts) on 2 CPU cores: about
 30 min: 18 min of training (TRL 6 + draftsmith 2 + 4 + 6), ~3 min of loading and draftsmith's own 1-prompt

@@ -6,11 +6,11 @@
         [--json OUT] [--plot OUT.png] [--samples-out OUT.jsonl] [--dtype float32] [--draft-dtype float32]
         [--device auto]
 
-Example (the reference pair, greedy, batch 1):
+Example (the stdlib reference pair built by recipes/pretrain/stdlib-*.yaml, greedy, batch 1):
 
-    HF_HUB_OFFLINE=1 python -m decode bench --target ../shared/fixtures/stdlib-pair/target \\
-        --draft ../shared/fixtures/stdlib-pair/draft --prompts ../shared/data/stdlib-dev-prompts.jsonl \\
-        --limit 30 --num-draft-tokens auto --json /tmp/bench.json --plot /tmp/bench.png
+    HF_HUB_OFFLINE=1 python -m decode bench --target runs/stdlib-pair/target \\
+        --draft runs/stdlib-pair/draft --prompts runs/stdlib-pair/prompts/stdlib-eval.jsonl \\
+        --limit 30 --num-draft-tokens auto --json bench.json --plot bench.png
 
 Errors in the inputs (missing or empty prompt file, vocabulary mismatch, prompt past the context) print one
 ``error: ...`` line and exit with status 2.

@@ -1,6 +1,6 @@
 """Side-by-side timing: draftsmith's speculative decoder vs target-only decoding vs HF assisted generation.
 
-Protocol (DESIGN.md, "Bench CLI"): one warm-up pass of every method, then the methods interleaved batch by
+Protocol (docs/bench.md, "Timing method"): one warm-up pass of every method, then the methods interleaved batch by
 batch (their order rotating between repeats, so no method always runs on a warmer cache), ``repeats`` times;
 per batch the median time over repeats, summed over batches. The target-only speed is the faster of
 draftsmith's own loop and ``model.generate``: speedups are never measured against a slow baseline. c and v are
@@ -267,7 +267,7 @@ def run_bench(
         samples_out: JSONL path; one line per prompt and method with the first timed repeat's tokens and text.
 
     Returns:
-        The DESIGN.md bench dict, plus detail keys (per-method rates, forward times, protocol).
+        The bench JSON dict (docs/bench.md), detail keys included (per-method rates, forward times, protocol).
     """
     if not prompts:
         raise ValueError("no prompts to bench")

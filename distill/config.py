@@ -87,7 +87,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Where prompts come from (DESIGN.md prompt-file format, or a datasets dataset)."""
+    """Where prompts come from (a prompt file or a datasets dataset: docs/data.md)."""
 
     train_prompts: str = _f("", "JSONL prompt file, local datasets dir, or hub dataset id")
     eval_prompts: str = _f("", "JSONL prompt file for evaluation; empty: split off train_prompts")

@@ -2,8 +2,8 @@
 
 A corpus is a list of documents, each with a stable *name* (the path relative to the corpus root, or
 ``file.jsonl:LINE`` / ``row N``) that decides the split: a document is held out when the SHA-1 of its name
-falls in the held-out bucket (``sha1(name) % 10 == 0`` for a fraction of 0.1, as for the reference pair in
-../shared/fixtures/stdlib-pair). The split depends only on the names, never on the machine or the order
+falls in the held-out bucket (``sha1(name) % 10 == 0`` for a fraction of 0.1, as for the stdlib reference pair
+of recipes/pretrain/stdlib-*.yaml). The split depends only on the names, never on the machine or the order
 files are listed in.
 
 Sources (``corpus.source``):

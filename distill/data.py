@@ -1,6 +1,6 @@
 """Prompt sets and batches: JSONL / datasets rows -> token ids -> padded tensors.
 
-    train_rows, eval_rows = load_train_eval(recipe.data)                     # dicts, DESIGN.md prompt format
+    train_rows, eval_rows = load_train_eval(recipe.data)                     # dicts, docs/data.md prompt format
     context = models.context_length(target, draft)
     examples = encode_prompts(train_rows, tok, recipe.data, context, recipe.distill.max_new_tokens)
     prompts = collate_prompts([e.prompt_ids for e in examples[:8]], tok.pad_token_id)   # left-padded, generation

@@ -66,7 +66,7 @@ class PublishSource:
     """What a run or checkpoint directory provides for publishing."""
 
     model_dir: Path  # HF model dir or peft adapter dir
-    eval: dict  # bench JSON of the published checkpoint (DESIGN.md)
+    eval: dict  # bench JSON of the published checkpoint (docs/bench.md)
     label: str  # "best" or "checkpoints/step-N": where in the run it came from
     report: dict | None = None  # report.json of the run, when found
     recipe_path: Path | None = None

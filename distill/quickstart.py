@@ -1,7 +1,7 @@
 """The offline quickstart's local assets: the cached target/draft pair and python-stdlib prompt files.
 
 Prompts are cut from the same files the pair trained on (training prompts) and from its held-out files (eval
-prompts), in the DESIGN.md prompt-file format, so the quickstart needs nothing but this machine's Python.
+prompts), in the prompt-file format of docs/data.md, so the quickstart needs nothing but this machine's Python.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Building blocks of train/distill.py: trackers, optimizer, data order, evaluation, checkpoint export.
 
-The entry script keeps the loop itself in view (STYLE.md #3/#4); everything here is a small helper it calls.
+The entry script keeps the loop itself in view (the accelerate loop, written out); here are the small helpers it calls.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def evaluate(
     recipe: Recipe,
     samples_out: Path | None = None,
 ) -> dict:
-    """Bench the draft against the target on the eval prompts (DESIGN.md bench JSON).
+    """Bench the draft against the target on the eval prompts (the bench JSON of docs/bench.md).
 
     A LoRA draft is merged for the measurement and unmerged afterwards: unmerged adapters add matmuls to
     every draft forward and would understate the speedup the published (merged) draft gives. A draft trained in

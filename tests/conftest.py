@@ -1,4 +1,4 @@
-"""Shared test setup: offline, W&B offline, and where ../shared lives."""
+"""Shared test setup: offline, W&B offline, and where the shared fixtures (reference pair, prompt sets) live."""
 
 import os
 from pathlib import Path
@@ -17,7 +17,7 @@ TRAIN_PROMPTS = SHARED / "data" / "stdlib-train-prompts.jsonl"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `shared` skip cleanly where ../shared (reference pair, prompt sets) is absent."""
+    """Tests marked `shared` skip cleanly where the shared fixtures (reference pair, prompt sets) are absent."""
     if (PAIR / "target").is_dir() and DEV_PROMPTS.is_file():
         return
     skip = pytest.mark.skip(reason="../shared (reference pair and prompt sets) not present")

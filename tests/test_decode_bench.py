@@ -1,4 +1,4 @@
-"""Metrics, prompt files, ``run_bench`` and the ``python -m decode bench`` CLI (DESIGN.md "Bench CLI")."""
+"""Metrics, prompt files, ``run_bench`` and the ``python -m decode bench`` CLI (docs/bench.md)."""
 
 from __future__ import annotations
 
@@ -289,7 +289,7 @@ def test_kernels_off_means_no_same_kernels_baseline(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The reference pair (../shared)
+# The reference pair (the shared fixtures beside the checkout; skipped where absent)
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.shared
 def test_reference_pair_greedy_is_lossless():

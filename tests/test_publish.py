@@ -1,6 +1,6 @@
 """train/publish.py and distill/publish.py on a tiny but real run directory (offline, CPU, a few seconds).
 
-The run directory is what train/distill.py writes (DESIGN.md): resolved_recipe.yaml, report.json, best/ (a
+The run directory is what train/distill.py writes (docs/run-directory.md): resolved_recipe.yaml, report.json, best/ (a
 merged HF model + eval.json + tokenizer) and checkpoints/step-N/ (here a peft LoRA adapter + eval.json). The
 target's vocabulary (64) is larger than the draft's (48), so publishing must pad the draft.
 """

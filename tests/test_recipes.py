@@ -18,7 +18,7 @@ def test_recipe_loads(path):
     recipe = load_recipe(path, cls=cls)
     assert isinstance(recipe, cls)
     text = path.read_text()
-    # STYLE.md #1: each recipe opens with a comment saying what it is for and how to launch it.
+    # Each recipe opens with a comment saying what it is for and how to launch it.
     assert text.startswith("#"), f"{path.name} must open with a comment (purpose, hardware, command)"
     assert "train/" in text.split("\n\n")[0], f"{path.name}'s header comment must give the launch command"
 

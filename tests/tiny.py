@@ -79,7 +79,7 @@ def make_pair(root: Path, seed: int = 0, vocab_size: int = VOCAB) -> tuple[Path,
 
 
 def make_prompts(path: Path, n: int, seed: int = 0, chars: int = 120) -> Path:
-    """A prompt file (DESIGN.md format) of source snippets."""
+    """A prompt file (docs/data.md format) of source snippets."""
     text = "\n".join(corpus_texts(30))
     g = torch.Generator().manual_seed(seed)
     with Path(path).open("w") as f:

@@ -11,7 +11,7 @@
     # show the resolved recipe and exit
     python train/distill.py --recipe R.yaml --print-config
 
-Writes under output_dir (DESIGN.md "Distill run directory"): resolved_recipe.yaml, metrics.jsonl,
+Writes under output_dir (docs/run-directory.md): resolved_recipe.yaml, metrics.jsonl,
 checkpoints/step-N/ (draft + eval.json + training state), best/ (merged, loadable), report.json.
 """
 
@@ -437,7 +437,7 @@ def save_state_only(accelerator, ckpt_root: Path, step: int, history: list[dict]
 
 
 def write_report(out: Path, ckpt_root: Path, history: list[dict], checksums: list[float], world: int) -> None:
-    """report.json (DESIGN.md), the base-vs-best table and the per-position acceptance plot."""
+    """report.json (docs/run-directory.md), the base-vs-best table and the per-position acceptance plot."""
     infos = [CheckpointInfo(**h) for h in history]
     best = select_best(infos)
     best_eval = read_json(out / "best" / "eval.json")

@@ -6,7 +6,7 @@
     # write exactly what would be uploaded, upload nothing
     python train/publish.py runs/quickstart --repo-id USER/quickstart-draft --dry-run out/quickstart-draft
 
-The folder (DESIGN.md "Publish"): merged safetensors with the target's vocab_size, the target's tokenizer
+The folder (docs/publish.md): merged safetensors with the target's vocab_size, the target's tokenizer
 files, generation_config.json with the best measured num_assistant_tokens, README.md (model card with the
 measured figures, hardware, prompts, recipe and HF / vLLM / SGLang usage), draftsmith_eval.json and
 resolved_recipe.yaml. Uploads use HF_TOKEN or a saved `hf auth login`. Errors print one line and exit 2.
