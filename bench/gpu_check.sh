@@ -114,6 +114,7 @@ result = run_bench(
     max_new_tokens=64, num_draft_tokens=int(gamma), repeats=int(repeats), progress=False,
 )  # fmt: skip
 result["max_memory_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+result["dtype"] = "nf4 (bf16 compute)"  # the first parameter (embeddings) stays bf16; the linears are 4-bit
 with open(out, "w") as f:
     json.dump(result, f, indent=2)
 PY
