@@ -28,6 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from decode import kernels
+from decode.compat import check_context, check_vocab_compatible
 from decode.draft_length import AutoDraftLength
 from decode.metrics import (
     ForwardCostMeter,
@@ -37,14 +38,7 @@ from decode.metrics import (
     speedup_with_prefill,
     theoretical_speedup,
 )
-from decode.speculative import (
-    SpecStats,
-    _draft_length,
-    check_context,
-    check_vocab_compatible,
-    speculative_generate,
-    target_generate,
-)
+from decode.speculative import SpecStats, _draft_length, speculative_generate, target_generate
 
 METHODS = ("speculative", "target_loop", "target_generate", "hf_assisted", "hf_assisted_same_kernels")
 HF_ASSISTED_CONFIG = "transformers defaults (num_assistant_tokens=20, constant schedule, confidence threshold 0.4)"

@@ -17,12 +17,9 @@ from decode_helpers import (
     tiny_pair,
 )
 
-from decode.speculative import (
-    KVStream,
-    check_vocab_compatible,
-    speculative_generate,
-    target_generate,
-)
+from decode.compat import check_vocab_compatible
+from decode.kv_stream import KVStream
+from decode.speculative import speculative_generate, target_generate
 
 
 @pytest.fixture(autouse=True)
