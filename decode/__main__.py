@@ -131,8 +131,9 @@ def plot(result: dict, out: str | Path) -> None:
 def bench(args: argparse.Namespace) -> dict:
     import torch
 
-    from decode.bench import load_prompts, run_bench
+    from decode.bench import run_bench
     from decode.compat import check_vocab_compatible
+    from decode.prompts import load_prompts
 
     if not Path(args.prompts).is_file():
         raise ValueError(f"prompt file not found: {args.prompts}")
