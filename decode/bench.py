@@ -195,7 +195,7 @@ def run_bench(
         raise ValueError("no prompts to bench")
     if repeats < 1 or batch_size < 1:
         raise ValueError("repeats and batch_size must be >= 1")
-    check_vocab_compatible(target, draft)
+    check_vocab_compatible(target, draft, tokenizer)
     methods = _methods(baselines, batch_size, kernels.applies(target, draft))
     eos_id = tokenizer.eos_token_id
     eos = {eos_id} if eos_id is not None else set()

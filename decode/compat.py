@@ -10,10 +10,30 @@ from torch import nn
 
 
 def logits_width(model: nn.Module) -> int:
+    """Rows of the model's output layer: its tokenizer's ids, plus any padding rows (Qwen2.5-7B: 152064 for 151665)."""
     emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if emb is not None and getattr(emb, "weight", None) is not None:
         return int(emb.weight.shape[0])
     return int(text_config(model).vocab_size)
+
+
+def input_width(model: nn.Module) -> int | None:
+    """Rows of the model's input embedding (the ids it can read), or None when it has no embedding to ask."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(emb, "weight", None)
+    return int(weight.shape[0]) if weight is not None else None
+
+
+def check_readable(draft: nn.Module, target: nn.Module, tokens: list[int]) -> None:
+    """Raise ValueError if the target emitted an id the draft has no embedding for (a padding row won)."""
+    rows = input_width(draft)
+    if rows is not None and tokens and max(tokens) >= rows:
+        width = logits_width(target)
+        raise ValueError(
+            f"vocabulary mismatch: the target {model_name(target)!r} emitted id {max(tokens)}, a padding row of its "
+            f"{width} logits past the {rows} ids the draft {model_name(draft)!r} embeds: resize the draft's "
+            f"embeddings (draft.resize_token_embeddings({width}))"
+        )
 
 
 def text_config(model: nn.Module):
@@ -26,13 +46,18 @@ def model_name(obj) -> str:
 
 
 def check_vocab_compatible(target: nn.Module, draft: nn.Module, target_tokenizer=None, draft_tokenizer=None) -> int:
-    """Return the shared vocabulary size both models' logits are cut to; raise ValueError on a real mismatch.
+    """Return the vocabulary size both models' logits share (the losses' ``vocab_size``); raise ValueError if the
+    pair cannot work.
 
-    Embeddings padded past the tokenizer (Qwen2.5-0.5B: 151936 rows, 7B: 152064) are fine: the ids below the
-    smaller logits width are compared. With both tokenizers given, every id both tokenizers define must be the
-    same token string, else one line names both tokenizers and the first differing id.
+    Embeddings padded past the tokenizer (Qwen2.5-0.5B: 151936 rows, 7B: 152064) are fine: the shared width is
+    the smaller one. With ``target_tokenizer`` every id it defines must lie below the shared width: else the
+    target could emit a token the draft can neither propose nor learn. With ``draft_tokenizer`` too, every id
+    both tokenizers define must be the same token string. Each error is one line naming both sides and the fix.
     """
-    shared = min(logits_width(target), logits_width(draft))
+    target_width, draft_width = logits_width(target), logits_width(draft)
+    shared = min(target_width, draft_width)
+    if target_tokenizer is not None and len(target_tokenizer) > shared:
+        raise ValueError(_too_narrow(target, draft, target_tokenizer))
     if target_tokenizer is not None and draft_tokenizer is not None and target_tokenizer is not draft_tokenizer:
         n = min(len(target_tokenizer), len(draft_tokenizer), shared)
         t_tokens = target_tokenizer.convert_ids_to_tokens(list(range(n)))
@@ -41,9 +66,28 @@ def check_vocab_compatible(target: nn.Module, draft: nn.Module, target_tokenizer
             i = next(i for i, (a, b) in enumerate(zip(t_tokens, d_tokens)) if a != b)
             raise ValueError(
                 f"vocabulary mismatch: target tokenizer {model_name(target_tokenizer)!r} and draft tokenizer "
-                f"{model_name(draft_tokenizer)!r} differ first at id {i}: {t_tokens[i]!r} vs {d_tokens[i]!r}"
+                f"{model_name(draft_tokenizer)!r} differ first at id {i}: {t_tokens[i]!r} vs {d_tokens[i]!r}; "
+                "use a draft trained with the target's tokenizer"
             )
     return shared
+
+
+def _too_narrow(target: nn.Module, draft: nn.Module, target_tokenizer) -> str:
+    """The error line for a target tokenizer with ids at or past one model's logits width."""
+    n, tok = len(target_tokenizer), model_name(target_tokenizer)
+    target_width, draft_width = logits_width(target), logits_width(draft)
+    if target_width < n:
+        return (
+            f"vocabulary mismatch: target tokenizer {tok!r} defines {n} ids but the target {model_name(target)!r} "
+            f"has only {target_width} logits (draft {model_name(draft)!r}: {draft_width}): load the tokenizer "
+            "saved with the target checkpoint"
+        )
+    return (
+        f"vocabulary mismatch: target tokenizer {tok!r} defines {n} ids but the draft {model_name(draft)!r} has "
+        f"only {draft_width} logits (target {model_name(target)!r}: {target_width}), so the target can emit ids "
+        f"{draft_width}..{n - 1} that the draft can never propose: resize the draft's embeddings "
+        f"(draft.resize_token_embeddings({n})) or use a draft built on the target's tokenizer"
+    )
 
 
 def context_length(model: nn.Module) -> int | None:

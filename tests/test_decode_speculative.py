@@ -262,6 +262,51 @@ def test_padded_target_embedding_works_on_shared_range():
     assert out.new_tokens == [hf_greedy(target, prompt, 12)]
 
 
+def test_target_only_and_speculative_decode_over_the_target_full_width():
+    """A target wider than the draft (padded like Qwen2.5-7B over 0.5B) may emit ids past the draft's width: both
+    loops keep them, so speculative decoding equals target-only decoding equals model.generate."""
+    wide = VOCAB + 3
+    target = FixedLogitLM(wide, lambda ids, pos: one_hot_logits(ids + 1, wide))  # counts through VOCAB..VOCAB+2
+    prompt = torch.tensor([[VOCAB - 4, VOCAB - 3]])
+    expected = counter_continuation(VOCAB - 3, 10, vocab=wide)
+    assert max(expected) >= VOCAB  # the target really emits ids the draft's logits do not have
+    assert target_generate(target, prompt, max_new_tokens=10, eos_token_id=[]).new_tokens == [expected]
+    for gamma in (1, 4):
+        out = speculative_generate(
+            target, counter_lm(), prompt, max_new_tokens=10, num_draft_tokens=gamma, eos_token_id=[]
+        )
+        assert out.new_tokens == [expected], gamma
+        assert out.stats.accepted > 0
+    # Sampling: p keeps its mass past the draft's width (q is 0 there), so those ids come out too.
+    gen = torch.Generator().manual_seed(0)
+    out = speculative_generate(
+        target, counter_lm(), prompt, max_new_tokens=10, temperature=1.0, eos_token_id=[], generator=gen
+    )
+    assert out.new_tokens == [expected]
+
+
+def test_padded_real_target_emitting_a_padding_id_the_draft_cannot_read_is_a_clear_error():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=False
+    )
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB + 31, **common)).eval()
+    with torch.no_grad():
+        target.lm_head.weight[VOCAB:] *= 1.3  # untrained padding rows that sometimes win the argmax
+    draft = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, **common)).eval()
+    prompt = torch.randint(1, VOCAB, (1, 7))
+    ref = hf_greedy(target, prompt, 16)
+    assert any(t >= VOCAB for t in ref)
+    assert target_generate(target, prompt, max_new_tokens=16, eos_token_id=[]).new_tokens == [ref]
+    with pytest.raises(
+        ValueError,
+        match=r"emitted id \d+, a padding row .* past the 97 ids the draft .*resize_token_embeddings\(128\)",
+    ):
+        speculative_generate(target, draft, prompt, max_new_tokens=16, num_draft_tokens=3, eos_token_id=[])
+
+
 def _word_tokenizer(words: list[str], name: str):
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
@@ -281,6 +326,25 @@ def test_vocab_mismatch_names_both_tokenizers_and_first_differing_token():
     assert check_vocab_compatible(counter_lm(), counter_lm(), a, _word_tokenizer(words, "same")) == VOCAB
     with pytest.raises(ValueError, match=r"'org/target-tok'.*'org/draft-tok'.*id 17: 'w17' vs 'zzz'"):
         check_vocab_compatible(counter_lm(), counter_lm(), a, b)
+
+
+def test_target_tokenizer_past_the_shared_width_is_a_clear_error():
+    words = [f"w{i}" for i in range(VOCAB + 5)]
+    tok = _word_tokenizer(words, "org/target-tok")
+    wide, narrow = counter_lm(VOCAB + 5), counter_lm(VOCAB)
+    assert check_vocab_compatible(wide, wide, tok, tok) == VOCAB + 5
+    # The same tokenizer for both sides (one tokenizer loaded once) is checked as well, and so is none for the draft.
+    for draft_tok in (tok, None, _word_tokenizer(words, "org/draft-tok")):
+        with pytest.raises(ValueError, match=r"'org/target-tok' defines 102 ids but the draft .* only 97 logits") as e:
+            check_vocab_compatible(wide, narrow, tok, draft_tok)
+        assert "resize_token_embeddings(102)" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"defines 102 ids but the target .* only 97 logits.*tokenizer saved with"):
+        check_vocab_compatible(narrow, wide, tok)
+
+
+def test_padded_target_tokenizer_below_the_shared_width_is_fine():
+    tok = _word_tokenizer([f"w{i}" for i in range(VOCAB - 10)], "org/tok")  # like Qwen2.5: 151665 ids, 151936 rows
+    assert check_vocab_compatible(counter_lm(VOCAB + 31), counter_lm(VOCAB), tok, tok) == VOCAB
 
 
 # ---------------------------------------------------------------------------------------------------------------
