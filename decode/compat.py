@@ -17,25 +17,6 @@ def logits_width(model: nn.Module) -> int:
     return int(text_config(model).vocab_size)
 
 
-def input_width(model: nn.Module) -> int | None:
-    """Rows of the model's input embedding (the ids it can read), or None when it has no embedding to ask."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    weight = getattr(emb, "weight", None)
-    return int(weight.shape[0]) if weight is not None else None
-
-
-def check_readable(draft: nn.Module, target: nn.Module, tokens: list[int]) -> None:
-    """Raise ValueError if the target emitted an id the draft has no embedding for (a padding row won)."""
-    rows = input_width(draft)
-    if rows is not None and tokens and max(tokens) >= rows:
-        width = logits_width(target)
-        raise ValueError(
-            f"vocabulary mismatch: the target {model_name(target)!r} emitted id {max(tokens)}, a padding row of its "
-            f"{width} logits past the {rows} ids the draft {model_name(draft)!r} embeds: resize the draft's "
-            f"embeddings (draft.resize_token_embeddings({width}))"
-        )
-
-
 def text_config(model: nn.Module):
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config

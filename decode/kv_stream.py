@@ -58,18 +58,6 @@ def cache_keyword(model: nn.Module) -> str:
     return _cache_keyword_of(type(_innermost(model)))
 
 
-def fit_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``logits`` ``[..., width]`` as ``[..., vocab]``: cut, or padded with -inf (ids this model cannot produce).
-
-    Both loops decode over the target's full width; a narrower draft's extra ids get probability 0 in q, so
-    acceptance and the residual norm(max(0, p - q)) stay exact and the target's distribution is never cut.
-    """
-    width = logits.shape[-1]
-    if width >= vocab:
-        return logits[..., :vocab]
-    return torch.nn.functional.pad(logits, (0, vocab - width), value=float("-inf"))
-
-
 class KVStream:
     """A model, its KV cache, and per row which cache slots hold real tokens.
 
@@ -93,7 +81,7 @@ class KVStream:
     def feed(self, ids: torch.Tensor, valid: torch.Tensor | None, keep: int) -> torch.Tensor:
         """Append ``ids`` ``[B, q]`` (``valid`` ``[B, q]`` bool or None = all real) to the cache.
 
-        Returns the logits of the last ``keep`` inputs, ``[B, keep, vocab]`` (:func:`fit_width`).
+        Returns the logits of the last ``keep`` inputs, ``[B, keep, vocab]``, cut to the shared vocabulary.
         """
         ids = ids.to(self.device)
         batch, q = ids.shape
@@ -129,7 +117,7 @@ class KVStream:
                 "cache under another keyword): report it with the output of `pip show transformers`"
             )
         self.forwards += 1
-        return fit_width(out.logits[:, -keep:], self.vocab)
+        return out.logits[:, -keep:, : self.vocab]
 
     def rollback(self, num_new: int, keep: torch.Tensor, keep_list: list[int]) -> None:
         """Of the last ``num_new`` slots (all real), keep the first ``keep[b]`` for row b.

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from decode import acceptance
-from decode.compat import check_context, check_readable, logits_width
+from decode.compat import check_context, logits_width
 from decode.draft_length import AutoDraftLength, FixedDraftLength
 from decode.kv_stream import KVStream, decoding
 from decode.sampling import process_logits, sample, validate_sampling
@@ -204,7 +204,8 @@ def speculative_generate(
     """Generate with ``target`` as fast as ``draft`` allows, with exactly the target's output distribution.
 
     Args:
-        target, draft: HF causal LMs (or anything with the same forward signature) sharing token ids.
+        target, draft: HF causal LMs (or anything with the same forward signature) sharing token ids (check
+            with ``decode.compat.check_vocab_compatible``).
         input_ids: ``[batch, prompt_len]`` (left-padded for batch > 1) or ``[prompt_len]``.
         attention_mask: ``[batch, prompt_len]``, 0 on padding; never inferred from token ids (pad may equal EOS).
         max_new_tokens: per-row budget.
@@ -222,7 +223,7 @@ def speculative_generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     input_ids, prompt_mask = _prepare_inputs(input_ids, attention_mask)
-    vocab = logits_width(target)  # the target's full width, as in target_generate: same greedy, same p
+    vocab = min(logits_width(target), logits_width(draft))  # callers check tokenizers: check_vocab_compatible
     check_context({"target": target, "draft": draft}, int(prompt_mask.sum(1).max()), max_new_tokens)
     controller = _draft_length(num_draft_tokens, draft_cost_ratio)
     eos = _eos_ids(target, eos_token_id)
@@ -275,7 +276,6 @@ def speculative_generate(
             # ---- emit, count, retire finished rows
             drafted = draft_tokens.tolist()
             nxt_list = nxt.tolist()
-            check_readable(draft, target, nxt_list)  # the draft reads every emitted token next round
             done = []
             for i, r in enumerate(rows):
                 before = len(emitter.out[r])

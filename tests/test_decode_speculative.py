@@ -262,51 +262,6 @@ def test_padded_target_embedding_works_on_shared_range():
     assert out.new_tokens == [hf_greedy(target, prompt, 12)]
 
 
-def test_target_only_and_speculative_decode_over_the_target_full_width():
-    """A target wider than the draft (padded like Qwen2.5-7B over 0.5B) may emit ids past the draft's width: both
-    loops keep them, so speculative decoding equals target-only decoding equals model.generate."""
-    wide = VOCAB + 3
-    target = FixedLogitLM(wide, lambda ids, pos: one_hot_logits(ids + 1, wide))  # counts through VOCAB..VOCAB+2
-    prompt = torch.tensor([[VOCAB - 4, VOCAB - 3]])
-    expected = counter_continuation(VOCAB - 3, 10, vocab=wide)
-    assert max(expected) >= VOCAB  # the target really emits ids the draft's logits do not have
-    assert target_generate(target, prompt, max_new_tokens=10, eos_token_id=[]).new_tokens == [expected]
-    for gamma in (1, 4):
-        out = speculative_generate(
-            target, counter_lm(), prompt, max_new_tokens=10, num_draft_tokens=gamma, eos_token_id=[]
-        )
-        assert out.new_tokens == [expected], gamma
-        assert out.stats.accepted > 0
-    # Sampling: p keeps its mass past the draft's width (q is 0 there), so those ids come out too.
-    gen = torch.Generator().manual_seed(0)
-    out = speculative_generate(
-        target, counter_lm(), prompt, max_new_tokens=10, temperature=1.0, eos_token_id=[], generator=gen
-    )
-    assert out.new_tokens == [expected]
-
-
-def test_padded_real_target_emitting_a_padding_id_the_draft_cannot_read_is_a_clear_error():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    common = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=False
-    )
-    target = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB + 31, **common)).eval()
-    with torch.no_grad():
-        target.lm_head.weight[VOCAB:] *= 1.3  # untrained padding rows that sometimes win the argmax
-    draft = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, **common)).eval()
-    prompt = torch.randint(1, VOCAB, (1, 7))
-    ref = hf_greedy(target, prompt, 16)
-    assert any(t >= VOCAB for t in ref)
-    assert target_generate(target, prompt, max_new_tokens=16, eos_token_id=[]).new_tokens == [ref]
-    with pytest.raises(
-        ValueError,
-        match=r"emitted id \d+, a padding row .* past the 97 ids the draft .*resize_token_embeddings\(128\)",
-    ):
-        speculative_generate(target, draft, prompt, max_new_tokens=16, num_draft_tokens=3, eos_token_id=[])
-
-
 def _word_tokenizer(words: list[str], name: str):
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
