@@ -148,7 +148,7 @@ def _train_batch(tok):
     """[BATCH, SEQ] ids packed from the training prompts (EOS between prompts), in file order."""
     import torch
 
-    from decode.bench import load_prompts
+    from decode.prompts import load_prompts
 
     ids: list[int] = []
     for item in load_prompts(TRAIN_PROMPTS):
@@ -163,7 +163,7 @@ def _train_batch(tok):
 def worker(target_path: str, dtype: str, steps: int, threads: int | None) -> dict:
     import torch
 
-    from decode.bench import encode_prompts, load_prompts, make_batches
+    from decode.prompts import encode_prompts, load_prompts, make_batches
     from decode.speculative import speculative_generate, target_generate
     from distill.config import ModelConfig, QuantConfig
     from distill.losses import distill_loss

@@ -21,7 +21,7 @@ What "the same" means where the two differ by design:
 * The off-policy half: draftsmith's `source: mix` samples from the target; TRL's GKD samples from the target
   only with `seq_kd=True` (else it trains on dataset completions, which a prompt file lacks). Both sample
   during training, on the clock (draftsmith: `distill.cache_rollouts=false`, so nothing is pregenerated).
-* Prompts: tokenised once by draftsmith's `encode_prompts` (left cut to `data.max_prompt_tokens`, BOS kept)
+* Prompts: tokenised once by draftsmith's `encode_examples` (left cut to `data.max_prompt_tokens`, BOS kept)
   and given to TRL as token ids, so both see identical prompt tokens (the reference tokenizer has no chat
   template). The data order differs (each side's own seeded shuffle).
 * Loss normalisation: TRL's trainer divides by `num_items_in_batch`, counted from the collator's labels
@@ -238,7 +238,7 @@ def worker_trl(spec: dict) -> None:
     draft = models.load_draft(recipe.draft)
     recipe.data.max_prompt_tokens = s.max_prompt_tokens
     rows, _ = data.load_train_eval(recipe.data)
-    examples = data.encode_prompts(
+    examples = data.encode_examples(
         rows, tokenizer, recipe.data, models.context_length(target, draft), s.max_new_tokens
     )
     # Prompt-only rows as token ids: completion_mask all 0 makes the whole row the prompt in TRL's collator.

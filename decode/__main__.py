@@ -88,7 +88,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on GPU and on a CPU with native bf16 matmuls (where it makes verification cheap), else float32."""
     import torch
 
-    from decode.speculative import cpu_has_native_bf16
+    from decode.compat import cpu_has_native_bf16
 
     return torch.bfloat16 if device.type != "cpu" or cpu_has_native_bf16() else torch.float32
 
@@ -131,8 +131,9 @@ def plot(result: dict, out: str | Path) -> None:
 def bench(args: argparse.Namespace) -> dict:
     import torch
 
-    from decode.bench import load_prompts, run_bench
-    from decode.speculative import check_vocab_compatible
+    from decode.bench import run_bench
+    from decode.compat import check_vocab_compatible
+    from decode.prompts import load_prompts
 
     if not Path(args.prompts).is_file():
         raise ValueError(f"prompt file not found: {args.prompts}")

@@ -28,6 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from decode import kernels
+from decode.compat import check_context, check_vocab_compatible
 from decode.draft_length import AutoDraftLength
 from decode.metrics import (
     ForwardCostMeter,
@@ -37,90 +38,11 @@ from decode.metrics import (
     speedup_with_prefill,
     theoretical_speedup,
 )
-from decode.speculative import (
-    SpecStats,
-    _draft_length,
-    check_context,
-    check_vocab_compatible,
-    speculative_generate,
-    target_generate,
-)
+from decode.prompts import encode_prompts, make_batches
+from decode.speculative import SpecStats, _draft_length, speculative_generate, target_generate
 
 METHODS = ("speculative", "target_loop", "target_generate", "hf_assisted", "hf_assisted_same_kernels")
 HF_ASSISTED_CONFIG = "transformers defaults (num_assistant_tokens=20, constant schedule, confidence threshold 0.4)"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Prompts
-# ---------------------------------------------------------------------------------------------------------------
-def load_prompts(path: str | Path, tokenizer=None) -> list[dict]:
-    """Read a prompt file: JSONL of ``{"prompt": str}`` or ``{"messages": [{"role", "content"}, ...]}``.
-
-    Other keys (``id``, ``source``) are kept. With ``tokenizer``, chat items also get ``"prompt"`` rendered by its
-    chat template (generation prompt added). Raises ValueError (one line) on a missing, empty or malformed file.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"prompt file not found: {path}")
-    items = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(item, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object")
-            if isinstance(item.get("prompt"), str):
-                pass
-            elif isinstance(item.get("messages"), list) and all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in item["messages"]
-            ):
-                if tokenizer is not None:
-                    item["prompt"] = render_chat(tokenizer, item["messages"])
-            else:
-                raise ValueError(f'{path}:{lineno}: needs "prompt" (string) or "messages" (list of role/content)')
-            item.setdefault("id", f"{path.stem}-{len(items)}")
-            items.append(item)
-    if not items:
-        raise ValueError(f"prompt file is empty: {path}")
-    return items
-
-
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"chat prompts need a chat template, and tokenizer {tokenizer.name_or_path!r} has none")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
-def encode_prompts(tokenizer, prompts: list[dict]) -> list[list[int]]:
-    """Token ids of each prompt (chat template applied to ``messages`` items; no special tokens added to text
-    the template already rendered)."""
-    encoded = []
-    for item in prompts:
-        if "prompt" in item:
-            text, special = item["prompt"], "messages" not in item
-        else:
-            text, special = render_chat(tokenizer, item["messages"]), False
-        encoded.append(tokenizer(text, add_special_tokens=special)["input_ids"])
-    return encoded
-
-
-def make_batches(encoded: list[list[int]], batch_size: int, pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Consecutive prompts, left-padded: ``[(ids [B, L], mask [B, L])]``."""
-    batches = []
-    for start in range(0, len(encoded), batch_size):
-        chunk = encoded[start : start + batch_size]
-        width = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for b, p in enumerate(chunk):
-            ids[b, width - len(p) :] = torch.tensor(p)
-            mask[b, width - len(p) :] = 1
-        batches.append((ids, mask))
-    return batches
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -273,7 +195,7 @@ def run_bench(
         raise ValueError("no prompts to bench")
     if repeats < 1 or batch_size < 1:
         raise ValueError("repeats and batch_size must be >= 1")
-    check_vocab_compatible(target, draft)
+    check_vocab_compatible(target, draft, tokenizer)
     methods = _methods(baselines, batch_size, kernels.applies(target, draft))
     eos_id = tokenizer.eos_token_id
     eos = {eos_id} if eos_id is not None else set()

@@ -14,7 +14,9 @@ import time
 import torch
 from torch import nn
 
-from decode.speculative import KVStream, SpecStats, _decoding, _logits_width
+from decode.compat import logits_width
+from decode.kv_stream import KVStream, decoding
+from decode.speculative import SpecStats
 
 
 def expected_tokens_per_round(a: float, gamma: float) -> float:
@@ -92,9 +94,9 @@ class ForwardCostMeter:
         self.prefill_ms: dict[str, float] = {}
         self.prefill_tokens = int(input_ids.shape[1])
         self.streams: dict[str, KVStream] = {}
-        with _decoding(target, draft):
+        with decoding(target, draft):
             for name, model in (("target", target), ("draft", draft)):
-                stream = KVStream(model, input_ids.shape[0], _logits_width(model))
+                stream = KVStream(model, input_ids.shape[0], logits_width(model))
                 seconds = _timed(stream.device, lambda s=stream: s.feed(input_ids, attention_mask.bool(), keep=1))
                 self.prefill_ms[name] = seconds * 1e3
                 self.streams[name] = stream
@@ -114,7 +116,7 @@ class ForwardCostMeter:
 
     def sample(self, verify_sizes: list[int]) -> None:
         """One timed forward of each kind: target 1 token, draft 1 token, target q tokens for q in verify_sizes."""
-        with _decoding(self.streams["target"].model, self.streams["draft"].model):
+        with decoding(self.streams["target"].model, self.streams["draft"].model):
             self.samples["target"].append(self._forward("target", 1))
             self.samples["draft"].append(self._forward("draft", 1))
             for q in verify_sizes:

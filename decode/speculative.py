@@ -13,29 +13,24 @@ first in the next verify pass, so each round is exactly one target forward and t
 target's prefill); the draft has cached every token but its own pending ones — usually just the last token,
 or [d_g, bonus] when the whole draft was accepted (one 2-token forward; nothing is ever fed twice).
 
-Batch rows accept different numbers of tokens. Each model keeps ONE physical KV cache for the batch plus a
-per-row mask of which slots hold real tokens: when a row rejects drafts another row kept, its slots become
-holes — masked in attention and skipped by position ids — so every row attends to exactly its own tokens at
-their own positions, as if decoded alone. Columns no row kept are cropped. Holes cost a little attention
-compute and no copies; for sliding-window models (the window is measured in cache slots) the cache is
-compacted before holes could enter a window. Finished rows leave the batch.
+Batch rows accept different numbers of tokens: each model's cache is a ``decode.kv_stream.KVStream``, one
+physical KV cache for the batch with per-row holes, so every row decodes as if alone. Finished rows leave the
+batch. The acceptance rules are pure functions in ``decode.acceptance``; vocabulary and context checks live in
+``decode.compat``. This module holds the loops: ``speculative_generate`` and the target-only ``target_generate``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
+from decode import acceptance
+from decode.compat import check_context, logits_width
 from decode.draft_length import AutoDraftLength, FixedDraftLength
-from decode.kernels import CpuLinears
+from decode.kv_stream import KVStream, decoding
 from decode.sampling import process_logits, sample, validate_sampling
 
 DraftLength = FixedDraftLength | AutoDraftLength
@@ -98,281 +93,6 @@ class SpecOutput:
     sequences: torch.Tensor  # [batch, prompt_len + max new] left-padded prompt + new tokens, right-padded with pad
     new_tokens: list[list[int]]  # per row: generated ids, EOS included if hit, nothing after
     stats: SpecStats
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Compatibility checks
-# ---------------------------------------------------------------------------------------------------------------
-def _logits_width(model: nn.Module) -> int:
-    emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if emb is not None and getattr(emb, "weight", None) is not None:
-        return int(emb.weight.shape[0])
-    return int(_text_config(model).vocab_size)
-
-
-def _text_config(model: nn.Module):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def _name(obj) -> str:
-    return getattr(obj, "name_or_path", None) or getattr(getattr(obj, "config", None), "_name_or_path", None) or "?"
-
-
-def check_vocab_compatible(target: nn.Module, draft: nn.Module, target_tokenizer=None, draft_tokenizer=None) -> int:
-    """Return the shared vocabulary size both models' logits are cut to; raise ValueError on a real mismatch.
-
-    Embeddings padded past the tokenizer (Qwen2.5-0.5B: 151936 rows, 7B: 152064) are fine: the ids below the
-    smaller logits width are compared. With both tokenizers given, every id both tokenizers define must be the
-    same token string, else one line names both tokenizers and the first differing id.
-    """
-    shared = min(_logits_width(target), _logits_width(draft))
-    if target_tokenizer is not None and draft_tokenizer is not None and target_tokenizer is not draft_tokenizer:
-        n = min(len(target_tokenizer), len(draft_tokenizer), shared)
-        t_tokens = target_tokenizer.convert_ids_to_tokens(list(range(n)))
-        d_tokens = draft_tokenizer.convert_ids_to_tokens(list(range(n)))
-        if t_tokens != d_tokens:
-            i = next(i for i, (a, b) in enumerate(zip(t_tokens, d_tokens)) if a != b)
-            raise ValueError(
-                f"vocabulary mismatch: target tokenizer {_name(target_tokenizer)!r} and draft tokenizer "
-                f"{_name(draft_tokenizer)!r} differ first at id {i}: {t_tokens[i]!r} vs {d_tokens[i]!r}"
-            )
-    return shared
-
-
-def context_length(model: nn.Module) -> int | None:
-    """The model's maximum number of positions, or None when the config does not say."""
-    config = _text_config(model)
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def cpu_has_native_bf16() -> bool:
-    """True on a CPU whose oneDNN runs bf16 matmuls natively (AVX512-BF16 or AMX).
-
-    There a frozen model is best run in bf16: a 5-token verify forward costs ~1.1x a 1-token one against ~1.6x in
-    float32 (measured on the reference pair), which is the difference between speculative decoding paying or not.
-    Without native support bf16 is emulated and slower than float32.
-    """
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def check_context(models: dict[str, nn.Module], prompt_len: int, max_new_tokens: int) -> None:
-    """Raise ValueError if prompt + max_new_tokens does not fit every model's context."""
-    for role, model in models.items():
-        limit = context_length(model)
-        if limit is not None and prompt_len + max_new_tokens > limit:
-            raise ValueError(
-                f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} exceeds the {role} model's context "
-                f"of {limit} tokens (max_position_embeddings of {_name(model)})"
-            )
-
-
-def _sliding_window(model: nn.Module) -> int | None:
-    window = getattr(_text_config(model), "sliding_window", None)
-    return window if isinstance(window, int) and window > 0 else None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# One model's KV cache over a batch with per-row holes
-# ---------------------------------------------------------------------------------------------------------------
-def _innermost(model: nn.Module) -> nn.Module:
-    """The module whose ``forward`` really takes the inputs: PEFT and accelerate wrappers forward ``**kwargs``."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        inner = getattr(model, "get_base_model", None)
-        if callable(inner):
-            model = inner()
-        elif hasattr(model, "module") and isinstance(model.module, nn.Module):  # DDP / accelerate wrappers
-            model = model.module
-    return model
-
-
-@functools.cache
-def _cache_keyword_of(forward_cls: type) -> str:
-    params = inspect.signature(forward_cls.forward).parameters
-    if "cache" in params:
-        return "cache"
-    if "past_key_values" in params:
-        return "past_key_values"
-    # A forward that names neither (``**kwargs`` only): ask an HF model of this release what it takes.
-    from transformers import LlamaModel
-
-    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
-
-
-def cache_keyword(model: nn.Module) -> str:
-    """The forward keyword that takes a KV cache: ``cache`` (recent releases) or ``past_key_values``.
-
-    Passing the wrong one is silently swallowed by ``**kwargs`` and the model runs without a cache, so every
-    forward of draftsmith's loops goes through this name (and :meth:`KVStream.feed` checks the cache grew).
-    """
-    return _cache_keyword_of(type(_innermost(model)))
-
-
-class KVStream:
-    """A model, its KV cache, and per row which cache slots hold real tokens.
-
-    ``valid`` is ``[batch, slots]`` bool, or None while every slot of every row is real (batch 1 never leaves
-    that fast path: no mask is built and SDPA runs its plain causal kernel). ``length[b]`` is row b's number of
-    real tokens, i.e. the position id of its next token.
-    """
-
-    def __init__(self, model: nn.Module, batch_size: int, vocab: int):
-        self.model = model
-        self.cache = DynamicCache()
-        self.valid: torch.Tensor | None = None
-        self.slots = 0
-        self.device = next(model.parameters()).device
-        self.length = torch.zeros(batch_size, dtype=torch.long, device=self.device)
-        self.vocab = vocab
-        self.window = _sliding_window(model)
-        self.forwards = 0
-        self.cache_kw = cache_keyword(model)
-
-    def feed(self, ids: torch.Tensor, valid: torch.Tensor | None, keep: int) -> torch.Tensor:
-        """Append ``ids`` ``[B, q]`` (``valid`` ``[B, q]`` bool or None = all real) to the cache.
-
-        Returns the logits of the last ``keep`` inputs, ``[B, keep, vocab]``, cut to the shared vocabulary.
-        """
-        ids = ids.to(self.device)
-        batch, q = ids.shape
-        if valid is not None and bool(valid.all()):
-            valid = None
-        if valid is None and self.valid is None:
-            position_ids = torch.arange(self.slots, self.slots + q, device=self.device).expand(batch, q)
-            mask = None
-            self.length += q
-        else:
-            valid = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid.to(self.device)
-            if self.valid is None:
-                self.valid = torch.ones(batch, self.slots, dtype=torch.bool, device=self.device)
-            if self.window is not None and self.slots + q > self.window:
-                self._compact()
-            # Holes take no position: row b's real tokens get consecutive positions from length[b].
-            position_ids = (self.length[:, None] + valid.cumsum(1) - 1).clamp_min(0)
-            self.valid = torch.cat([self.valid, valid], 1)
-            mask = self.valid.long()
-            self.length += valid.sum(1)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=keep,
-            **{self.cache_kw: self.cache},
-        )
-        self.slots += q
-        if self.forwards == 0 and self.cache.get_seq_length() == 0:
-            raise RuntimeError(
-                f"{_name(self.model)} ignored the KV cache passed as {self.cache_kw}= (its forward takes the cache "
-                "under another keyword): report it with the output of `pip show transformers`"
-            )
-        self.forwards += 1
-        return out.logits[:, -keep:, : self.vocab]
-
-    def rollback(self, num_new: int, keep: torch.Tensor, keep_list: list[int]) -> None:
-        """Of the last ``num_new`` slots (all real), keep the first ``keep[b]`` for row b.
-
-        Slots no row keeps are cropped; a row keeping fewer than the longest is left with holes.
-        """
-        most = max(keep_list)
-        drop = num_new - most
-        if drop > 0:
-            self.cache.crop(-drop)
-            self.slots -= drop
-            if self.valid is not None:
-                self.valid = self.valid[:, : self.slots]
-        self.length -= num_new - keep.to(self.device)
-        if most > 0 and min(keep_list) < most:
-            if self.valid is None:
-                self.valid = torch.ones(len(keep_list), self.slots, dtype=torch.bool, device=self.device)
-            hole = torch.arange(most, device=self.device)[None, :] >= keep.to(self.device)[:, None]  # [B, most]
-            self.valid[:, self.slots - most :] &= ~hole
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows ``rows`` (1-D long)."""
-        rows = rows.to(self.device)
-        if self.slots:
-            self.cache.batch_select_indices(rows)
-        self.length = self.length[rows]
-        if self.valid is not None:
-            self.valid = self.valid[rows]
-            if bool(self.valid.all()):
-                self.valid = None
-
-    def _compact(self) -> None:
-        """Move every row's real slots to the right end (holes become left padding): sliding windows count slots."""
-        assert self.valid is not None
-        # Holes only matter inside a row's tokens; left padding alone is what HF itself does with windows.
-        inner = self.valid.int().cummax(1).values.bool() & ~self.valid
-        if not bool(inner.any()):
-            return
-        width = int(self.valid.sum(1).max())
-        idx = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, -width:]  # [B, width] real slots, in order
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue
-            for name in ("keys", "values"):
-                states = getattr(layer, name)  # [B, heads, slots, dim]
-                index = idx[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
-                setattr(layer, name, states.gather(2, index))
-        self.valid = self.valid.gather(1, idx)
-        self.slots = width
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Acceptance rules (pure functions)
-# ---------------------------------------------------------------------------------------------------------------
-def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature 0: accept while the draft token is the target's argmax; the next token is the target's argmax.
-
-    Exactly ``accept_sampled`` with one-hot p and q, without building them.
-
-    Args:
-        draft_tokens: ``[B, g]``; target_logits: ``[B, g + 1, V]``.
-
-    Returns:
-        (accepted ``[B]`` in 0..g, next token ``[B]``).
-    """
-    best = target_logits.argmax(-1)  # [B, g + 1]
-    g = draft_tokens.shape[1]
-    accepted = (draft_tokens == best[:, :g]).int().cumprod(1).sum(1)
-    return accepted, best.gather(1, accepted[:, None]).squeeze(1)
-
-
-def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) up to normalisation, ``[B, V]``; falls back to p where p == q (rejection had prob 0)."""
-    residual = (p - q).clamp_min(0)
-    return torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-
-
-def accept_sampled(
-    draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling: accept d_i w.p. min(1, p_i(d_i)/q_i(d_i)); resample the first rejection.
-
-    Args:
-        draft_tokens: ``[B, g]`` drawn from q; q: ``[B, g, V]``; p: ``[B, g + 1, V]`` (processed probabilities).
-
-    Returns:
-        (accepted ``[B]`` in 0..g, next token ``[B]``: the resampled or the bonus token).
-    """
-    batch, g = draft_tokens.shape
-    idx = draft_tokens[..., None]
-    p_d = p[:, :g].gather(-1, idx).squeeze(-1)  # [B, g]
-    q_d = q.gather(-1, idx).squeeze(-1)  # [B, g], > 0 since d ~ q
-    u = torch.rand(batch, g, generator=generator, device=p.device) if g else p_d
-    accepted = (u * q_d < p_d).int().cumprod(1).sum(1)  # u < p/q without dividing
-    rows = torch.arange(batch, device=p.device)
-    p_n = p[rows, accepted]  # [B, V]
-    # Past the last draft token q is 0, so the bonus token is drawn from p itself.
-    q_n = torch.cat([q, torch.zeros_like(p[:, :1])], 1)[rows, accepted]
-    return accepted, sample(residual_distribution(p_n, q_n), generator)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -461,30 +181,6 @@ def _draft_length(num_draft_tokens, draft_cost_ratio: float | None) -> DraftLeng
     return FixedDraftLength(int(num_draft_tokens))
 
 
-class _EvalMode:
-    """Put models in eval mode (no dropout) for the call and restore their mode after."""
-
-    def __init__(self, *models: nn.Module):
-        self.models = models
-
-    def __enter__(self):
-        self.modes = [m.training for m in self.models]
-        for m in self.models:
-            m.eval()
-
-    def __exit__(self, *exc):
-        for m, mode in zip(self.models, self.modes):
-            m.train(mode)
-
-
-@contextlib.contextmanager
-def _decoding(*models: nn.Module) -> Iterator[None]:
-    """The form every decoding loop and every cost measurement runs the models in: inference mode, eval mode,
-    draftsmith's CPU kernels (one place, so the timed forwards are always the forwards the loops run)."""
-    with torch.inference_mode(), _EvalMode(*models), CpuLinears(*models):
-        yield
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The decoder
 # ---------------------------------------------------------------------------------------------------------------
@@ -508,7 +204,8 @@ def speculative_generate(
     """Generate with ``target`` as fast as ``draft`` allows, with exactly the target's output distribution.
 
     Args:
-        target, draft: HF causal LMs (or anything with the same forward signature) sharing token ids.
+        target, draft: HF causal LMs (or anything with the same forward signature) sharing token ids (check
+            with ``decode.compat.check_vocab_compatible``).
         input_ids: ``[batch, prompt_len]`` (left-padded for batch > 1) or ``[prompt_len]``.
         attention_mask: ``[batch, prompt_len]``, 0 on padding; never inferred from token ids (pad may equal EOS).
         max_new_tokens: per-row budget.
@@ -526,7 +223,7 @@ def speculative_generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     input_ids, prompt_mask = _prepare_inputs(input_ids, attention_mask)
-    vocab = check_vocab_compatible(target, draft, tokenizer, tokenizer)
+    vocab = min(logits_width(target), logits_width(draft))  # callers check tokenizers: check_vocab_compatible
     check_context({"target": target, "draft": draft}, int(prompt_mask.sum(1).max()), max_new_tokens)
     controller = _draft_length(num_draft_tokens, draft_cost_ratio)
     eos = _eos_ids(target, eos_token_id)
@@ -538,7 +235,7 @@ def speculative_generate(
     def proc(logits: torch.Tensor) -> torch.Tensor:
         return process_logits(logits, temperature, top_k, top_p)
 
-    with _decoding(target, draft):
+    with decoding(target, draft):
         tgt = KVStream(target, batch, vocab)
         drf = KVStream(draft, batch, vocab)
         rows = list(range(batch))  # original index of each live row
@@ -562,9 +259,9 @@ def speculative_generate(
             valid = None if tgt_valid is None else torch.cat([tgt_valid.to(tgt.device), _all_real(draft_tokens)], 1)
             logits = tgt.feed(ids, valid, keep=g + 1)  # [B, g + 1, V]
             if greedy:
-                accepted, nxt = accept_greedy(draft_tokens, logits)
+                accepted, nxt = acceptance.accept_greedy(draft_tokens, logits)
             else:
-                accepted, nxt = accept_sampled(draft_tokens, q.to(tgt.device), proc(logits), generator)
+                accepted, nxt = acceptance.accept_sampled(draft_tokens, q.to(tgt.device), proc(logits), generator)
             acc_list = accepted.tolist()  # the one host sync per round
             t2 = time.perf_counter()
 
@@ -722,8 +419,8 @@ def target_generate(
     check_context({"target": target}, int(prompt_mask.sum(1).max()), max_new_tokens)
     emitter = _Emitter(input_ids.shape[0], max_new_tokens, _eos_ids(target, eos_token_id), None, None)
     stats = SpecStats()
-    with _decoding(target):
-        stream = KVStream(target, input_ids.shape[0], _logits_width(target))
+    with decoding(target):
+        stream = KVStream(target, input_ids.shape[0], logits_width(target))
         rows = list(range(input_ids.shape[0]))
         ids, valid = input_ids, prompt_mask
         while rows:

@@ -1,14 +1,14 @@
-"""Prompt sets and batches: JSONL / datasets rows -> token ids -> padded tensors.
+"""Training prompt sets and batches: JSONL / datasets rows -> examples -> padded tensors.
 
     train_rows, eval_rows = load_train_eval(recipe.data)                     # dicts, docs/data.md prompt format
     context = models.context_length(target, draft)
-    examples = encode_prompts(train_rows, tok, recipe.data, context, recipe.distill.max_new_tokens)
+    examples = encode_examples(train_rows, tok, recipe.data, context, recipe.distill.max_new_tokens)
     prompts = collate_prompts([e.prompt_ids for e in examples[:8]], tok.pad_token_id)   # left-padded, generation
     batch = collate_training(pairs, tok.pad_token_id)                        # right-padded, training
 
-Rows are `{"prompt": "..."}` (raw text) or `{"messages": [{"role", "content"}, ...]}` (chat; the tokenizer's chat
-template is applied with `add_generation_prompt=True`); other keys are kept. A final assistant message is the
-row's reference completion (source `fixed`), never part of the prompt.
+Rows are `{"prompt": "..."}` (raw text) or `{"messages": [{"role", "content"}, ...]}` (chat); reading, validating,
+rendering and tokenising a prompt is `decode.prompts`, the same pipeline the bench uses. A final assistant message
+is the row's reference completion (source `fixed`), never part of the prompt.
 
 Lengths: prompts are cut from the **left** (the end of a prompt is what the continuation depends on) to
 `data.max_prompt_tokens`, and further to `context - max_new_tokens` when prompt + continuation would not fit the
@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from decode.prompts import check_row, encode_prompt, left_pad, read_jsonl, render_prompt
 from distill.config import DataConfig
 
 logger = logging.getLogger(__name__)
@@ -53,42 +54,6 @@ class Example:
 
 
 # ---------------------------------------------------------------- reading rows
-
-
-def _check_row(row: Any, where: str, prompt_field: str) -> dict:
-    """Validate one row in the prompt format; `where` is 'file:line' or 'dataset row i' for the message."""
-    if not isinstance(row, dict):
-        raise ValueError(f'{where}: expected a JSON object like {{"{prompt_field}": ...}}, got {type(row).__name__}')
-    messages = row.get("messages")
-    if messages is not None:
-        if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
-        return row
-    if not isinstance(row.get(prompt_field), str):
-        keys = ", ".join(sorted(map(str, row))) or "none"
-        raise ValueError(f"{where}: needs a '{prompt_field}' string or a 'messages' list (keys found: {keys})")
-    return row
-
-
-def read_jsonl(path: str | Path, prompt_field: str = "prompt") -> list[dict]:
-    """Rows of a JSONL prompt file, validated; blank lines skipped; errors name the file and line number."""
-    path = Path(path)
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-            rows.append(_check_row(row, f"{path}:{lineno}", prompt_field))
-    if not rows:
-        raise ValueError(f"{path}: no prompts (the file is empty); expected one JSON object per line")
-    return rows
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -144,7 +109,7 @@ def load_rows(
                 f"{key} {source!r} has no split {split!r} (splits: {', '.join(ds)}); set data.dataset_split"
             )
         ds = ds[split]
-    rows = [_check_row(row, f"{key} {source!r} row {i}", prompt_field) for i, row in enumerate(ds)]
+    rows = [check_row(row, f"{key} {source!r} row {i}", prompt_field) for i, row in enumerate(ds)]
     if not rows:
         raise ValueError(f"{key} {source!r}: the dataset split {split!r} has no rows")
     return rows
@@ -204,27 +169,6 @@ def _use_template(tokenizer: Any, apply_chat_template: bool) -> bool:
     return apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_prompt(
-    row: dict, tokenizer: Any, *, prompt_field: str = "prompt", apply_chat_template: bool = True
-) -> tuple[str, bool]:
-    """The prompt text of a row and whether it is already a full template rendering (special tokens included).
-
-    'messages' rows get the chat template with `add_generation_prompt=True`; a final assistant message is the
-    reference completion and is left out. Without a template (or with `apply_chat_template=False`) the message
-    contents are joined with blank lines.
-    """
-    if not row.get("messages"):  # absent, or None in a datasets table mixing both kinds of rows
-        return row[prompt_field], False
-    messages = row["messages"]
-    if messages[-1]["role"] == "assistant":
-        messages = messages[:-1]
-    if not messages:
-        raise ValueError("a 'messages' row holds only an assistant message: there is no prompt to condition on")
-    if _use_template(tokenizer, apply_chat_template):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
-    return "\n\n".join(m["content"] for m in messages) + "\n\n", False
-
-
 def render_completion(
     row: dict,
     tokenizer: Any,
@@ -251,7 +195,7 @@ def render_completion(
     return messages[-1]["content"]
 
 
-def encode_prompts(
+def encode_examples(
     rows: Sequence[dict],
     tokenizer: Any,
     cfg: DataConfig,
@@ -292,10 +236,7 @@ def encode_prompts(
     bos = getattr(tokenizer, "bos_token_id", None)
     examples, dropped = [], []
     for i, row in enumerate(rows):
-        text, templated = render_prompt(
-            row, tokenizer, prompt_field=cfg.prompt_field, apply_chat_template=cfg.apply_chat_template
-        )
-        ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        ids = encode_prompt(row, tokenizer, prompt_field=cfg.prompt_field, apply_chat_template=cfg.apply_chat_template)
         if len(ids) > budget:
             # keep a leading BOS: models are trained with it at position 0
             ids = (
@@ -342,14 +283,7 @@ def collate_prompts(
     Returns:
         input_ids [batch, max_len] (pad on the left), attention_mask [batch, max_len] (0 on padding).
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("collate_prompts needs at least one prompt and every prompt needs a token")
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        input_ids[b, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
-        attention_mask[b, width - len(p) :] = 1
+    input_ids, attention_mask = left_pad(prompts, pad_token_id)
     return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
 
 

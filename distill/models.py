@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel
 
-from decode.speculative import cpu_has_native_bf16
+from decode.compat import check_vocab_compatible, cpu_has_native_bf16
 from distill.config import ModelConfig, QuantConfig
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -146,7 +146,7 @@ def _load_causal_lm(cfg: ModelConfig, key: str, device: torch.device, dtype: tor
 
 def context_length(*models: nn.Module) -> int | None:
     """The positions every model accepts (the smallest max_position_embeddings or equivalent); None if unknown."""
-    from decode.speculative import context_length as model_context  # one definition for training and decoding
+    from decode.compat import context_length as model_context  # one definition for training and decoding
 
     known = [n for n in (model_context(m) for m in models) if n is not None]
     return min(known) if known else None
@@ -292,8 +292,6 @@ def check_compatible(target: nn.Module, draft: nn.Module, target_tokenizer: Any,
     compatible on the shared id range; a real mismatch raises a ValueError naming both tokenizers and the first
     differing token. Pass the returned size as `vocab_size` to the losses.
     """
-    from decode.speculative import check_vocab_compatible  # lazy: distill.models imports without decode
-
     return int(check_vocab_compatible(target, draft, target_tokenizer, draft_tokenizer))
 
 

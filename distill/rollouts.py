@@ -272,7 +272,7 @@ def make_rollouts(
 
     `target` rollouts come from `cache` when present there; the missing ones are generated in one batch and
     added to it. Completions are never empty (generation emits at least one token; empty fixed completions were
-    dropped by :func:`distill.data.encode_prompts`).
+    dropped by :func:`distill.data.encode_examples`).
     """
     source = choose_source(source, cfg.mix_lambda, generator)
     gen = {

@@ -8,16 +8,15 @@ import torch
 from conftest import DEV_PROMPTS, TRAIN_PROMPTS
 from transformers import PreTrainedTokenizerFast
 
+from decode.prompts import read_jsonl, render_prompt
 from distill.config import DataConfig
 from distill.data import (
     collate_prompts,
     collate_training,
-    encode_prompts,
+    encode_examples,
     load_rows,
     load_train_eval,
-    read_jsonl,
     render_completion,
-    render_prompt,
     split_rows,
 )
 
@@ -91,10 +90,10 @@ def test_read_jsonl_keeps_other_keys_and_skips_blank_lines(tmp_path):
 @pytest.mark.parametrize(
     "lines,match",
     [
-        ([], r"p.jsonl: no prompts \(the file is empty\)"),
-        (["", "  "], r"p.jsonl: no prompts"),
+        ([], r"prompt file is empty: .*p.jsonl has no prompts"),
+        (["", "  "], r"p.jsonl has no prompts"),
         ([json.dumps({"prompt": "ok"}), '{"prompt": "broken'], r"p.jsonl:2: not valid JSON"),
-        ([json.dumps({"prompt": "ok"}), json.dumps({"text": "x"})], r"p.jsonl:2: needs a 'prompt' string.*text"),
+        ([json.dumps({"prompt": "ok"}), json.dumps({"text": "x"})], r'p.jsonl:2: needs "prompt".*keys found: text'),
         ([json.dumps(["a list"])], r"p.jsonl:1: expected a JSON object"),
         ([json.dumps({"messages": [{"role": "user"}]})], r"p.jsonl:1: messages\[0\] must be an object"),
         ([json.dumps({"messages": []})], r"p.jsonl:1: 'messages' must be a non-empty list"),
@@ -121,7 +120,7 @@ def test_load_rows_from_datasets(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no split 'validation'.*data.dataset_split"):
         load_rows(str(tmp_path / "dd"), split="validation")
     datasets.Dataset.from_list([{"text": "x"}]).save_to_disk(str(tmp_path / "bad"))
-    with pytest.raises(ValueError, match="row 0: needs a 'prompt' string"):
+    with pytest.raises(ValueError, match='row 0: needs "prompt"'):
         load_rows(str(tmp_path / "bad"))
     assert load_rows(str(tmp_path / "bad"), prompt_field="text") == [{"text": "x"}]
     (tmp_path / "rows.json").write_text("\n".join(json.dumps(r) for r in rows))  # JSON lines, read by datasets
@@ -183,7 +182,7 @@ def test_chat_template_applied_with_generation_prompt():
     text, templated = render_prompt(row, tok)
     assert templated and text == "<s><|user|>hello<|end|><|assistant|>"  # the final assistant turn is not prompt
     assert render_completion(row, tok) == "world<|end|>"  # end-of-turn included
-    ex = encode_prompts([row], tok, DataConfig(), completion_field="completion")[0]
+    ex = encode_examples([row], tok, DataConfig(), completion_field="completion")[0]
     assert tok.decode(ex.prompt_ids) == text  # no second BOS from add_special_tokens
     assert ex.completion_ids[-1] == tok.convert_tokens_to_ids("<|end|>")
     # no template, or apply_chat_template off: plain contents
@@ -192,12 +191,34 @@ def test_chat_template_applied_with_generation_prompt():
     assert render_prompt(row, tok, apply_chat_template=False)[0] == "hello\n\n"
 
 
+def test_bench_and_training_encode_a_prompt_file_identically(tmp_path):
+    """One pipeline: the bench measures a draft on exactly the prompt tokens training conditions it on."""
+    from decode.prompts import encode_prompts, load_prompts
+
+    f = _write(
+        tmp_path / "p.jsonl",
+        [
+            json.dumps({"prompt": "def f(x):"}),
+            json.dumps(
+                {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]}
+            ),
+        ],
+    )
+    tok = tiny_tokenizer(bos=True, chat=True)
+    bench_ids = encode_prompts(tok, load_prompts(f, tokenizer=tok))
+    train_ids = [e.prompt_ids for e in encode_examples(read_jsonl(f), tok, DataConfig())]
+    assert bench_ids == train_ids
+    # The reference answer of a chat row is never part of the bench's prompt either.
+    assert tok.decode(bench_ids[1]) == "<s><|user|>hello<|end|><|assistant|>"
+    assert bench_ids[0][0] == tok.bos_token_id and bench_ids[1].count(tok.bos_token_id) == 1
+
+
 def test_raw_prompt_with_completion_field():
     tok = tiny_tokenizer()
     rows = [{"prompt": "def f(x):", "answer": "\n    return x"}, {"prompt": "hello"}]
     with pytest.raises(ValueError, match="row 1 has no 'answer' field"):
-        encode_prompts(rows, tok, DataConfig(), completion_field="answer")
-    ex = encode_prompts(rows[:1], tok, DataConfig(), max_new_tokens=2, completion_field="answer")[0]
+        encode_examples(rows, tok, DataConfig(), completion_field="answer")
+    ex = encode_examples(rows[:1], tok, DataConfig(), max_new_tokens=2, completion_field="answer")[0]
     assert ex.completion_ids == tok("\n    return x", add_special_tokens=False)["input_ids"][:2]
     assert ex.row is rows[0] and ex.index == 0
 
@@ -206,12 +227,12 @@ def test_left_truncation_keeps_the_end_and_bos():
     tok = tiny_tokenizer()
     text = "the quick brown fox " * 10
     full = tok(text)["input_ids"]
-    ex = encode_prompts([{"prompt": text}], tok, DataConfig(max_prompt_tokens=7))[0]
+    ex = encode_examples([{"prompt": text}], tok, DataConfig(max_prompt_tokens=7))[0]
     assert ex.prompt_ids == full[-7:]
     btok = tiny_tokenizer(bos=True)
     bfull = btok(text)["input_ids"]
     assert bfull[0] == btok.bos_token_id
-    ex = encode_prompts([{"prompt": text}], btok, DataConfig(max_prompt_tokens=7))[0]
+    ex = encode_examples([{"prompt": text}], btok, DataConfig(max_prompt_tokens=7))[0]
     assert ex.prompt_ids == [btok.bos_token_id, *bfull[-6:]]
 
 
@@ -219,22 +240,22 @@ def test_prompt_cut_to_fit_context(caplog):
     tok = tiny_tokenizer()
     text = "the quick brown fox " * 10
     with caplog.at_level(logging.WARNING, logger="distill.data"):
-        ex = encode_prompts([{"prompt": text}], tok, DataConfig(max_prompt_tokens=192), 20, 15)[0]
+        ex = encode_examples([{"prompt": text}], tok, DataConfig(max_prompt_tokens=192), 20, 15)[0]
     assert ex.prompt_ids == tok(text)["input_ids"][-5:]  # context 20 - 15 new tokens
     assert "instead of data.max_prompt_tokens" in caplog.text
     with pytest.raises(ValueError, match="max_new_tokens=20 leaves no room"):
-        encode_prompts([{"prompt": text}], tok, DataConfig(), 20, 20)
+        encode_examples([{"prompt": text}], tok, DataConfig(), 20, 20)
 
 
 def test_empty_rows_dropped_with_warning(caplog):
     tok = tiny_tokenizer()
     rows = [{"prompt": "hello"}, {"prompt": ""}, {"prompt": "world"}]
     with caplog.at_level(logging.WARNING, logger="distill.data"):
-        examples = encode_prompts(rows, tok, DataConfig())
+        examples = encode_examples(rows, tok, DataConfig())
     assert [e.index for e in examples] == [0, 2]  # indices stay those of the prompt set
     assert "dropped 1 prompt rows" in caplog.text
     with pytest.raises(ValueError, match="none of the 1 prompt rows"):
-        encode_prompts([{"prompt": ""}], tok, DataConfig())
+        encode_examples([{"prompt": ""}], tok, DataConfig())
 
 
 # ---------------------------------------------------------------- collation

@@ -13,7 +13,7 @@ import torch
 from decode_helpers import char_tokenizer, save_tiny_pair, tiny_pair
 
 from decode.__main__ import main
-from decode.bench import encode_prompts, greedy_agreement, load_prompts, run_bench
+from decode.bench import greedy_agreement, run_bench
 from decode.metrics import (
     _interpolate,
     expected_tokens_per_round,
@@ -21,6 +21,7 @@ from decode.metrics import (
     solve_acceptance,
     theoretical_speedup,
 )
+from decode.prompts import encode_prompts, load_prompts
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"

@@ -7,9 +7,10 @@ import pytest
 import torch
 from decode_helpers import bigram_lm, bigram_sequence_probs
 
-import decode.speculative as spec
+import decode.acceptance as acceptance
+from decode.acceptance import accept_greedy, accept_sampled
 from decode.sampling import process_logits
-from decode.speculative import accept_greedy, accept_sampled, speculative_generate, target_generate
+from decode.speculative import speculative_generate, target_generate
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -149,5 +150,5 @@ def _accept_always(draft_tokens, q, p, generator=None):
     ids=["resample-from-p", "resample-from-q", "accept-always"],
 )
 def test_wrong_rules_fail_the_same_bound(monkeypatch, attr, wrong):
-    monkeypatch.setattr(spec, attr, wrong)
+    monkeypatch.setattr(acceptance, attr, wrong)
     assert _sample_speculative(1.0, 0, 1.0, 2) < ALPHA

@@ -17,12 +17,9 @@ from decode_helpers import (
     tiny_pair,
 )
 
-from decode.speculative import (
-    KVStream,
-    check_vocab_compatible,
-    speculative_generate,
-    target_generate,
-)
+from decode.compat import check_vocab_compatible
+from decode.kv_stream import KVStream
+from decode.speculative import speculative_generate, target_generate
 
 
 @pytest.fixture(autouse=True)
@@ -284,6 +281,25 @@ def test_vocab_mismatch_names_both_tokenizers_and_first_differing_token():
     assert check_vocab_compatible(counter_lm(), counter_lm(), a, _word_tokenizer(words, "same")) == VOCAB
     with pytest.raises(ValueError, match=r"'org/target-tok'.*'org/draft-tok'.*id 17: 'w17' vs 'zzz'"):
         check_vocab_compatible(counter_lm(), counter_lm(), a, b)
+
+
+def test_target_tokenizer_past_the_shared_width_is_a_clear_error():
+    words = [f"w{i}" for i in range(VOCAB + 5)]
+    tok = _word_tokenizer(words, "org/target-tok")
+    wide, narrow = counter_lm(VOCAB + 5), counter_lm(VOCAB)
+    assert check_vocab_compatible(wide, wide, tok, tok) == VOCAB + 5
+    # The same tokenizer for both sides (one tokenizer loaded once) is checked as well, and so is none for the draft.
+    for draft_tok in (tok, None, _word_tokenizer(words, "org/draft-tok")):
+        with pytest.raises(ValueError, match=r"'org/target-tok' defines 102 ids but the draft .* only 97 logits") as e:
+            check_vocab_compatible(wide, narrow, tok, draft_tok)
+        assert "resize_token_embeddings(102)" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"defines 102 ids but the target .* only 97 logits.*tokenizer saved with"):
+        check_vocab_compatible(narrow, wide, tok)
+
+
+def test_padded_target_tokenizer_below_the_shared_width_is_fine():
+    tok = _word_tokenizer([f"w{i}" for i in range(VOCAB - 10)], "org/tok")  # like Qwen2.5: 151665 ids, 151936 rows
+    assert check_vocab_compatible(counter_lm(VOCAB + 31), counter_lm(VOCAB), tok, tok) == VOCAB
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from decode.speculative import cpu_has_native_bf16
+from decode.compat import cpu_has_native_bf16
 from distill.config import LoraConfig, ModelConfig, QuantConfig
 from distill.models import (
     bnb_config,
@@ -306,7 +306,7 @@ def test_missing_path_and_offline_hub_id_errors(tmp_path, monkeypatch):
 
 
 requires_decode = pytest.mark.skipif(
-    importlib.util.find_spec("decode.speculative") is None, reason="decode.speculative not written yet"
+    importlib.util.find_spec("decode.compat") is None, reason="decode.compat not written yet"
 )
 
 

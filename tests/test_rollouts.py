@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from distill import rollouts
 from distill.config import DataConfig, DistillConfig, LoraConfig, ModelConfig, QuantConfig
-from distill.data import Example, collate_training, encode_prompts
+from distill.data import Example, collate_training, encode_examples
 from distill.models import load_draft, load_target, load_tokenizer
 from distill.rollouts import (
     RolloutCache,
@@ -91,7 +91,7 @@ def models(pair):
         for n, p in draft.named_parameters():
             if "lora_B" in n:  # a LoRA that changes the draft's outputs: generation must go through it
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    examples = encode_prompts([{"prompt": p} for p in PROMPTS], tok, DataConfig(), 128, 8)
+    examples = encode_examples([{"prompt": p} for p in PROMPTS], tok, DataConfig(), 128, 8)
     return tok, target, draft, examples
 
 

@@ -176,7 +176,7 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
     with accelerator.main_process_first():
         train_rows, eval_rows = data.load_train_eval(recipe.data)
     context = models.context_length(target, draft)
-    train_prompts = data.encode_prompts(
+    train_prompts = data.encode_examples(
         train_rows,
         tokenizer,
         recipe.data,

@@ -1,0 +1,193 @@
+"""One model's KV cache over a batch whose rows keep different numbers of tokens (holes), and the form every
+decoding loop runs its models in (:func:`decoding`).
+
+Each model keeps ONE physical KV cache for the batch plus a per-row mask of which slots hold real tokens: when a
+row rejects drafts another row kept, its slots become holes, masked in attention and skipped by position ids, so
+every row attends to exactly its own tokens at their own positions, as if decoded alone. Columns no row kept are
+cropped. For sliding-window models (the window is measured in cache slots) the cache is compacted before holes
+could enter a window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from decode.compat import model_name, sliding_window
+from decode.kernels import CpuLinears
+
+
+def _innermost(model: nn.Module) -> nn.Module:
+    """The module whose ``forward`` really takes the inputs: PEFT and accelerate wrappers forward ``**kwargs``."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = getattr(model, "get_base_model", None)
+        if callable(inner):
+            model = inner()
+        elif hasattr(model, "module") and isinstance(model.module, nn.Module):  # DDP / accelerate wrappers
+            model = model.module
+    return model
+
+
+@functools.cache
+def _cache_keyword_of(forward_cls: type) -> str:
+    params = inspect.signature(forward_cls.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    # A forward that names neither (``**kwargs`` only): ask an HF model of this release what it takes.
+    from transformers import LlamaModel
+
+    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The forward keyword that takes a KV cache: ``cache`` (recent releases) or ``past_key_values``.
+
+    Passing the wrong one is silently swallowed by ``**kwargs`` and the model runs without a cache, so every
+    forward of draftsmith's loops goes through this name (and :meth:`KVStream.feed` checks the cache grew).
+    """
+    return _cache_keyword_of(type(_innermost(model)))
+
+
+class KVStream:
+    """A model, its KV cache, and per row which cache slots hold real tokens.
+
+    ``valid`` is ``[batch, slots]`` bool, or None while every slot of every row is real (batch 1 never leaves
+    that fast path: no mask is built and SDPA runs its plain causal kernel). ``length[b]`` is row b's number of
+    real tokens, i.e. the position id of its next token.
+    """
+
+    def __init__(self, model: nn.Module, batch_size: int, vocab: int):
+        self.model = model
+        self.cache = DynamicCache()
+        self.valid: torch.Tensor | None = None
+        self.slots = 0
+        self.device = next(model.parameters()).device
+        self.length = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.vocab = vocab
+        self.window = sliding_window(model)
+        self.forwards = 0
+        self.cache_kw = cache_keyword(model)
+
+    def feed(self, ids: torch.Tensor, valid: torch.Tensor | None, keep: int) -> torch.Tensor:
+        """Append ``ids`` ``[B, q]`` (``valid`` ``[B, q]`` bool or None = all real) to the cache.
+
+        Returns the logits of the last ``keep`` inputs, ``[B, keep, vocab]``, cut to the shared vocabulary.
+        """
+        ids = ids.to(self.device)
+        batch, q = ids.shape
+        if valid is not None and bool(valid.all()):
+            valid = None
+        if valid is None and self.valid is None:
+            position_ids = torch.arange(self.slots, self.slots + q, device=self.device).expand(batch, q)
+            mask = None
+            self.length += q
+        else:
+            valid = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid.to(self.device)
+            if self.valid is None:
+                self.valid = torch.ones(batch, self.slots, dtype=torch.bool, device=self.device)
+            if self.window is not None and self.slots + q > self.window:
+                self._compact()
+            # Holes take no position: row b's real tokens get consecutive positions from length[b].
+            position_ids = (self.length[:, None] + valid.cumsum(1) - 1).clamp_min(0)
+            self.valid = torch.cat([self.valid, valid], 1)
+            mask = self.valid.long()
+            self.length += valid.sum(1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=keep,
+            **{self.cache_kw: self.cache},
+        )
+        self.slots += q
+        if self.forwards == 0 and self.cache.get_seq_length() == 0:
+            raise RuntimeError(
+                f"{model_name(self.model)} ignored the KV cache passed as {self.cache_kw}= (its forward takes the "
+                "cache under another keyword): report it with the output of `pip show transformers`"
+            )
+        self.forwards += 1
+        return out.logits[:, -keep:, : self.vocab]
+
+    def rollback(self, num_new: int, keep: torch.Tensor, keep_list: list[int]) -> None:
+        """Of the last ``num_new`` slots (all real), keep the first ``keep[b]`` for row b.
+
+        Slots no row keeps are cropped; a row keeping fewer than the longest is left with holes.
+        """
+        most = max(keep_list)
+        drop = num_new - most
+        if drop > 0:
+            self.cache.crop(-drop)
+            self.slots -= drop
+            if self.valid is not None:
+                self.valid = self.valid[:, : self.slots]
+        self.length -= num_new - keep.to(self.device)
+        if most > 0 and min(keep_list) < most:
+            if self.valid is None:
+                self.valid = torch.ones(len(keep_list), self.slots, dtype=torch.bool, device=self.device)
+            hole = torch.arange(most, device=self.device)[None, :] >= keep.to(self.device)[:, None]  # [B, most]
+            self.valid[:, self.slots - most :] &= ~hole
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (1-D long)."""
+        rows = rows.to(self.device)
+        if self.slots:
+            self.cache.batch_select_indices(rows)
+        self.length = self.length[rows]
+        if self.valid is not None:
+            self.valid = self.valid[rows]
+            if bool(self.valid.all()):
+                self.valid = None
+
+    def _compact(self) -> None:
+        """Move every row's real slots to the right end (holes become left padding): sliding windows count slots."""
+        assert self.valid is not None
+        # Holes only matter inside a row's tokens; left padding alone is what HF itself does with windows.
+        inner = self.valid.int().cummax(1).values.bool() & ~self.valid
+        if not bool(inner.any()):
+            return
+        width = int(self.valid.sum(1).max())
+        idx = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, -width:]  # [B, width] real slots, in order
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            for name in ("keys", "values"):
+                states = getattr(layer, name)  # [B, heads, slots, dim]
+                index = idx[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
+                setattr(layer, name, states.gather(2, index))
+        self.valid = self.valid.gather(1, idx)
+        self.slots = width
+
+
+class _EvalMode:
+    """Put models in eval mode (no dropout) for the call and restore their mode after."""
+
+    def __init__(self, *models: nn.Module):
+        self.models = models
+
+    def __enter__(self):
+        self.modes = [m.training for m in self.models]
+        for m in self.models:
+            m.eval()
+
+    def __exit__(self, *exc):
+        for m, mode in zip(self.models, self.modes):
+            m.train(mode)
+
+
+@contextlib.contextmanager
+def decoding(*models: nn.Module) -> Iterator[None]:
+    """The form every decoding loop and every cost measurement runs the models in: inference mode, eval mode,
+    draftsmith's CPU kernels (one place, so the timed forwards are always the forwards the loops run)."""
+    with torch.inference_mode(), _EvalMode(*models), CpuLinears(*models):
+        yield
