@@ -172,7 +172,8 @@ def test_dry_run_folder_contents(published, run_dir):
     assert gen["num_assistant_tokens"] == 4 and gen["num_assistant_tokens_schedule"] == "constant"
     assert gen["assistant_confidence_threshold"] == 0.0  # HF drafts exactly gamma tokens, as measured
     assert (gen["eos_token_id"], gen["pad_token_id"], gen["bos_token_id"]) == (2, 0, 1)
-    assert (published / "resolved_recipe.yaml").read_text() == (run_dir / "resolved_recipe.yaml").read_text()
+    uploaded_recipe = yaml.safe_load((published / "resolved_recipe.yaml").read_text())
+    assert uploaded_recipe["target"]["model"] == "target" and uploaded_recipe["output_dir"] == "run"  # base names
 
 
 def test_card_figures_equal_report(published, run_dir):
@@ -196,11 +197,13 @@ def test_card_figures_equal_report(published, run_dir):
     assert "temperature: 0.0; new tokens per prompt: 32; prompts: 12" in card
     assert "| 20 | 1.50x | 0.550 | 0.9100 |" in card  # evaluations during training
     recipe_block = card.split("```yaml\n")[1].split("```")[0]
-    assert yaml.safe_load(recipe_block) == yaml.safe_load((run_dir / "resolved_recipe.yaml").read_text())
+    assert yaml.safe_load(recipe_block) == yaml.safe_load((published / "resolved_recipe.yaml").read_text())
     # usage snippets with the repo id, the target and gamma filled in
     target = info["target"]
     assert f'AutoModelForCausalLM.from_pretrained("{REPO_ID}"' in card and "assistant_model=draft" in card
-    assert f'"model": "{REPO_ID}", "method": "draft_model", "num_speculative_tokens": 4' in card
+    spec = f'{{"method": "draft_model", "model": "{REPO_ID}", "num_speculative_tokens": 4}}'
+    assert f"vllm serve {target} --speculative-config '{spec}'" in card
+    assert f'LLM(model="{target}", speculative_config={spec})' in card
     assert f"--model-path {target}" in card and "--prompts dev-prompts.jsonl --num-draft-tokens 4" in card
     assert f"--speculative-algorithm STANDALONE --speculative-draft-model-path {REPO_ID}" in card
 
@@ -263,7 +266,7 @@ def test_checkpoint_without_recipe_uses_eval_json(run_dir, tmp_path):
     (lone / "eval.json").write_text(json.dumps({**BEST, "target": recipe.target.model}))
     out = pub.publish(lone, REPO_ID, dry_run_dir=tmp_path / "out")
     info = json.loads((Path(out) / "draftsmith_eval.json").read_text())
-    assert info["target"] == recipe.target.model and info["best_step"] is None
+    assert info["target"] == Path(recipe.target.model).name and info["best_step"] is None  # no local path
     assert any("no resolved_recipe.yaml" in n for n in info["notes"])
     assert "The recipe was not found" in (Path(out) / "README.md").read_text()
 
