@@ -187,6 +187,8 @@ def resolve_source(source: str | Path) -> PublishSource:
         raise PublishError(f"the eval figures for {found.label} lack {', '.join(missing)}: not a bench JSON")
     if not any((found.model_dir / f).is_file() for f in ("config.json", "adapter_config.json")):
         raise PublishError(f"{found.model_dir} holds no model (config.json) or LoRA adapter (adapter_config.json)")
+    if (found.model_dir / "config.json").is_file():
+        check_plain_draft_config(read_json(found.model_dir / "config.json"))  # before any weight is loaded
     found.engines = _extra_engines(found.model_dir)
     found.recipe_path = next(
         (d / "resolved_recipe.yaml" for d in run_dirs if (d / "resolved_recipe.yaml").is_file()), None

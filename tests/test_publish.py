@@ -1,12 +1,15 @@
-"""train/publish.py and distill/publish.py on a tiny but real run directory (offline, CPU, a few seconds).
+"""train/publish.py and distill.publish (+ distill.card, distill.hub, distill.draft_folder) on a tiny real run.
 
-The run directory is what train/distill.py writes (DESIGN.md): resolved_recipe.yaml, report.json, best/ (a
+Offline, CPU, a few seconds.
+
+The run directory is what train/distill.py writes: resolved_recipe.yaml, report.json, best/ (a
 merged HF model + eval.json + tokenizer) and checkpoints/step-N/ (here a peft LoRA adapter + eval.json). The
 target's vocabulary (64) is larger than the draft's (48), so publishing must pad the draft.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -348,7 +351,10 @@ def test_card_front_matter_with_hub_ids():
 
 @pytest.mark.parametrize(
     "repo_id",
-    ["me/gemma-eagle-draft", "me/EAGLE3-x", "me/qwen-dflash", "me/DSpark", "noslash", "a/b/c", "me/x--y", ""],
+    [
+        *("me/gemma-eagle-draft", "me/EAGLE3-x", "me/qwen-dflash", "me/DSpark", "me/llama-medusa"),
+        *("me/x-mlp_speculator", "me/deepseek-mtp-draft", "noslash", "a/b/c", "me/x--y", ""),
+    ],
 )
 def test_bad_repo_ids(repo_id):
     with pytest.raises(pub.PublishError):
@@ -458,3 +464,147 @@ def test_push_uploads_the_folder(online, run_dir, monkeypatch):
     assert calls["upload"]["repo_id"] == REPO_ID and calls["upload"]["commit_message"] == "first draft"
     assert {"README.md", "model.safetensors", "draftsmith_eval.json", "generation_config.json"} <= set(calls["files"])
     assert not Path(calls["upload"]["folder_path"]).exists()  # the staging folder is cleaned up
+
+
+# ---------------------------------------------------------------- the card as the Hub reads it, no local paths
+
+
+def uploaded_texts(folder: Path) -> dict[str, str]:
+    """Every uploaded file but the weights, as text."""
+    return {p.name: p.read_text() for p in folder.iterdir() if p.suffix != ".safetensors"}
+
+
+def test_card_parses_back_with_figures_in_model_index(published):
+    from huggingface_hub import ModelCard
+
+    data = ModelCard.load(published / "README.md").data
+    assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
+    assert data.model_name == "tiny-draft" and data.to_dict()["target_model"] == "target"
+    figures = {(r.metric_config, r.metric_name): r.metric_value for r in data.eval_results}
+    assert figures[("draftsmith", "speedup vs target-only (draftsmith)")] == 1.8349
+    assert figures[("draftsmith", "acceptance rate (draftsmith)")] == 0.6543
+    assert figures[("draftsmith", "tokens/s HF assisted generation (transformers defaults)")] == 101.2
+    assert all(r.task_type == "text-generation" and r.dataset_name == "dev-prompts.jsonl" for r in data.eval_results)
+    model_index = front_matter((published / "README.md").read_text())["model-index"]
+    assert model_index[0]["name"] == "tiny-draft" and len(model_index[0]["results"][0]["metrics"]) == 6
+
+
+def test_no_local_path_is_uploaded(published, run_dir):
+    """The target, base draft, output_dir and prompt paths of this machine appear only as base names."""
+    root = str(run_dir.parent)
+    texts = uploaded_texts(published)
+    assert {"README.md", "draftsmith_eval.json", "resolved_recipe.yaml", "config.json"} <= set(texts)
+    for name, text in texts.items():
+        assert root not in text and "/tmp/" not in text and "pytest-of" not in text, name
+    info = json.loads(texts["draftsmith_eval.json"])
+    assert (info["target"], info["base_model"], info["base_model_hub_id"]) == ("target", "draft", None)
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("model: /home/me/models/target", "model: target"),
+        ("the target's (/data/x/run/best/) could not", "the target's (best) could not"),
+        ("prompts: ~/data/dev.jsonl", "prompts: dev.jsonl"),
+        (
+            "google/gemma-2-9b-it and https://huggingface.co/a/b stay",
+            "google/gemma-2-9b-it and https://huggingface.co/a/b stay",
+        ),
+        ("runs/x/best and 1/2 stay", "runs/x/best and 1/2 stay"),
+    ],
+)
+def test_scrub_text(text, want):
+    assert pub.scrub_text(text) == want
+
+
+def test_license_and_hub_datasets_in_metadata(run_dir, tmp_path):
+    from huggingface_hub import ModelCard
+
+    ckpt = tmp_path / "run" / "best"
+    shutil.copytree(run_dir / "best", ckpt)
+    recipe = load_recipe(run_dir / "resolved_recipe.yaml", ["data.train_prompts=HuggingFaceH4/ultrachat_200k"])
+    recipe.data.eval_prompts = ""
+    save_recipe(recipe, ckpt.parent)
+    out = Path(pub.publish(ckpt, REPO_ID, dry_run_dir=tmp_path / "out", license="apache-2.0"))
+    data = ModelCard.load(out / "README.md").data
+    assert data.license == "apache-2.0" and data.datasets == ["HuggingFaceH4/ultrachat_200k"]
+
+
+# ---------------------------------------------------------------- every engine's figures
+
+
+def test_card_states_every_engine(run_dir, tmp_path):
+    """eval.json (draftsmith, with HF assisted as defaults and as published) and eval_vllm.json both reach the card."""
+    from huggingface_hub import ModelCard
+
+    ckpt = tmp_path / "run" / "best"
+    shutil.copytree(run_dir / "best", ckpt)
+    shutil.copy(run_dir / "resolved_recipe.yaml", ckpt.parent)
+    settings = {
+        "defaults": {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant"},
+        "published": {"num_assistant_tokens": 4, "assistant_confidence_threshold": 0.0},
+    }
+    ev = {
+        **BEST,
+        "engine": "draftsmith",
+        "engine_version": "0.1.0",
+        "tokens_per_s": {**BEST["tokens_per_s"], "hf_assisted_published": 111.1},
+        "speedup": {**BEST["speedup"], "vs_target_ci95": [1.7, 1.95], "vs_hf_assisted_published": 1.1112},
+        "hf_assisted_settings": settings,
+    }
+    (ckpt / "eval.json").write_text(json.dumps(ev))
+    vllm = {**BEST, "engine": "vllm", "engine_version": "0.11.0", "acceptance_rate": 0.61, "hardware": "1 x H200"}
+    vllm["speedup"] = {"vs_target": 2.41, "vs_hf_assisted": None}
+    (ckpt / "eval_vllm.json").write_text(json.dumps(vllm))
+    out = Path(pub.publish(ckpt, REPO_ID, dry_run_dir=tmp_path / "out"))
+    card = (out / "README.md").read_text()
+    assert "| speedup vs target-only decoding | 1.83x (95% CI 1.70-1.95x) |" in card
+    assert "| tokens/s: HF assisted generation (this card's generation_config) | 111.1 |" in card
+    assert "| speedup vs HF assisted generation (this card's generation_config) | 1.11x |" in card
+    assert f"HF assisted generation settings (published): `{json.dumps(settings['published'])}`" in card
+    assert (
+        "### vLLM" in card
+        and "measured by vllm 0.11.0" in card
+        and "| speedup vs target-only decoding | 2.41x |" in card
+    )
+    figures = {
+        (r.metric_config, r.metric_name): r.metric_value for r in ModelCard.load(out / "README.md").data.eval_results
+    }
+    assert figures[("vllm", "speedup vs target-only (vllm)")] == 2.41
+    assert figures[("draftsmith", "tokens/s HF assisted generation (published generation_config)")] == 111.1
+    assert json.loads((out / "draftsmith_eval.json").read_text())["engines"]["vllm"]["acceptance_rate"] == 0.61
+
+
+# ---------------------------------------------------------------- configs vLLM would not load as a draft model
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"architectures": ["EagleLlamaForCausalLM"], "model_type": "llama"},
+        {"architectures": ["Eagle3LlamaForCausalLM"]},
+        {"architectures": ["MedusaModel"]},
+        {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator"},
+        {"architectures": ["DeepSeekMTPModel"], "model_type": "deepseek_mtp"},
+        {"model_type": "eagle"},
+    ],
+)
+def test_speculator_configs_are_refused(config):
+    with pytest.raises(pub.PublishError, match="speculator kind"):
+        pub.check_plain_draft_config(config)
+
+
+def test_plain_configs_pass():
+    for config in ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, {"model_type": "qwen3"}):
+        pub.check_plain_draft_config(config)
+
+
+def test_speculator_checkpoint_is_refused_before_anything_is_written(run_dir, tmp_path):
+    ckpt = tmp_path / "run" / "best"
+    shutil.copytree(run_dir / "best", ckpt)
+    shutil.copy(run_dir / "resolved_recipe.yaml", ckpt.parent)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "architectures": ["EagleLlamaForCausalLM"]}))
+    proc = run_cli(str(ckpt), "--repo-id", REPO_ID, "--dry-run", str(tmp_path / "out"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "EagleLlamaForCausalLM" in proc.stderr and not (tmp_path / "out").exists()
