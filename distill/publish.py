@@ -277,11 +277,31 @@ def _eval_prompts(recipe_path: Path, limit: int) -> list[dict]:
     return rows[:limit]
 
 
-def remeasure(folder: Path, src: PublishSource, repo_id: str, reason: str, n_prompts: int) -> dict:
+def _cannot_remeasure(reason: str, why: str) -> PublishError:
+    return PublishError(
+        f"the checkpoint's eval {reason}, so publish re-measures the merged draft, but {why}: fix that, or pass "
+        "--no-remeasure to publish the training-time figures with a note saying they are not the upload's"
+    )
+
+
+def remeasure_prompts(src: PublishSource, reason: str, n_prompts: int) -> list[dict]:
+    """The eval prompts a re-measurement uses (checked before the build); a one-line PublishError when none."""
+    if src.recipe_path is None:
+        raise _cannot_remeasure(reason, "no resolved_recipe.yaml was found beside the checkpoint")
+    try:
+        prompts = _eval_prompts(src.recipe_path, n_prompts)
+    except (OSError, ValueError) as e:
+        raise _cannot_remeasure(reason, f"its eval prompts could not be loaded ({first_line(e)})") from None
+    if not prompts:
+        raise _cannot_remeasure(reason, "the recipe's eval prompts are empty")
+    return prompts
+
+
+def remeasure(folder: Path, src: PublishSource, repo_id: str, reason: str, prompts: list[dict]) -> dict:
     """The bench JSON of the built folder's weights, measured by draftsmith's decoder on the run's eval prompts.
 
-    Uses the recipe's eval settings (new tokens, temperature, gamma, batch size, repeats) on its first
-    `n_prompts` eval prompts; a one-line PublishError, naming how to measure it by hand, when that cannot be done.
+    Uses the recipe's eval settings (new tokens, temperature, gamma, batch size, repeats) with the target as the
+    recipe loads it; a one-line PublishError when the target cannot be loaded.
     """
     from transformers import AutoModelForCausalLM
 
@@ -289,22 +309,12 @@ def remeasure(folder: Path, src: PublishSource, repo_id: str, reason: str, n_pro
     from distill import models
     from distill.config import load_recipe
 
-    how = (
-        f"the checkpoint's eval {reason}, so publish re-measures the merged draft, but {{}}: fix that, or pass "
-        "--no-remeasure to publish the training-time figures with a note saying they are not the upload's"
-    )
-    if src.recipe_path is None:
-        raise PublishError(how.format("no resolved_recipe.yaml was found beside the checkpoint"))
+    recipe = load_recipe(src.recipe_path)
     try:
-        prompts = _eval_prompts(src.recipe_path, n_prompts)
-        recipe = load_recipe(src.recipe_path)
         target = models.load_target(recipe.target)
         tokenizer = models.load_tokenizer(recipe.target.model, recipe.target)
     except (OSError, ValueError) as e:
-        why = f"the eval prompts or the target could not be loaded ({first_line(e)})"
-        raise PublishError(how.format(why)) from None
-    if not prompts:
-        raise PublishError(how.format("the recipe's eval prompts are empty"))
+        raise _cannot_remeasure(reason, f"the target could not be loaded ({first_line(e)})") from None
     device = next(target.parameters()).device
     draft = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").to(device).eval()
     ev = recipe.eval
@@ -457,6 +467,8 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
     t_rev = recipe_get(recipe, "target.revision")
     trust = bool(recipe_get(recipe, "target.trust_remote_code", False))
 
+    reason = eval_not_on_upload(src)
+    prompts = remeasure_prompts(src, reason, options.remeasure_prompts) if reason and options.remeasure else None
     model, base_id = load_merged_draft(src)
     check_plain_draft_config(model.config.to_dict())
     base_dtype = declared_dtype(base_id, bool(recipe_get(recipe, "draft.trust_remote_code", False)))
@@ -492,10 +504,9 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
         raise PublishError(f"the tokenizer has {n_tokens} tokens but the draft only {vocab} embedding rows")
 
     best, training_eval = src.eval, None
-    reason = eval_not_on_upload(src)
-    if reason and options.remeasure:
+    if reason and prompts:
         training_eval = src.eval
-        best = remeasure(dest, src, repo_id, reason, options.remeasure_prompts)
+        best = remeasure(dest, src, repo_id, reason, prompts)
         notes.append(
             f"figures re-measured at publish time on the uploaded merged weights ({best['n_prompts']} eval "
             f"prompts): the training-time eval {reason} (kept in draftsmith_eval.json as training_eval)"

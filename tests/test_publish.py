@@ -608,3 +608,92 @@ def test_speculator_checkpoint_is_refused_before_anything_is_written(run_dir, tm
     proc = run_cli(str(ckpt), "--repo-id", REPO_ID, "--dry-run", str(tmp_path / "out"))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "EagleLlamaForCausalLM" in proc.stderr and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- QLoRA: the figures must describe the upload
+
+QLORA_EVAL = {**BEST, "acceptance_rate": 0.123456, "hardware": "4-bit eval"}  # stands in for the 4-bit eval
+
+
+@pytest.fixture(scope="module")
+def qlora_run(run_dir, tmp_path_factory) -> Path:
+    """A real QLoRA draft (bitsandbytes 4-bit base + non-zero LoRA) saved as train/distill.py saves best/."""
+    from distill import models
+
+    root = tmp_path_factory.mktemp("qlora")
+    prompts = root / "dev-prompts.jsonl"
+    lines = ["def return import class self", "the a of to and in", "if x else y print x", "for x in y return x"]
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
+    overrides = [
+        "draft.quantization.load_in_4bit=true",
+        "draft.quantization.bnb_4bit_compute_dtype=float32",
+        f"data.eval_prompts={prompts}",
+        "eval.max_new_tokens=8",
+        "eval.repeats=1",
+        "eval.num_draft_tokens=3",
+    ]
+    recipe = load_recipe(run_dir / "resolved_recipe.yaml", overrides)
+    recipe.output_dir = str(root / "run")
+    draft = models.load_draft(recipe.draft, device="cpu")
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)  # a trained adapter: merging it changes the weights
+    run = root / "run"
+    save_recipe(recipe, run)
+    models.save_draft(draft, run / "best", tiny_tokenizer())
+    (run / "best" / "eval.json").write_text(json.dumps(QLORA_EVAL))
+    (run / "report.json").write_text(json.dumps({"base": BASE, "best": QLORA_EVAL, "best_step": 10}))
+    return run
+
+
+def test_qlora_draft_is_remeasured_on_the_merged_upload(qlora_run, tmp_path, caplog):
+    from decode.bench import run_bench
+    from distill import models
+
+    with caplog.at_level("WARNING", logger="draftsmith.publish"):
+        out = Path(pub.publish(qlora_run, REPO_ID, dry_run_dir=tmp_path / "out"))
+    assert "re-measuring the merged draft on 4 eval prompts" in caplog.text
+    info = json.loads((out / "draftsmith_eval.json").read_text())
+    assert info["training_eval"] == QLORA_EVAL and info["measured_on_uploaded_weights"] is True
+    best = info["best"]
+    assert best["engine"] == "draftsmith" and best["n_prompts"] == 4 and best["new_tokens"] == 8
+    assert best["outputs_match_target"] is True and best["acceptance_rate"] != QLORA_EVAL["acceptance_rate"]
+    assert "QLoRA r=16, merged" in info["method"]
+    # The acceptance is the uploaded folder's own: greedy acceptance is deterministic, so a fresh bench agrees.
+    recipe = load_recipe(qlora_run / "resolved_recipe.yaml")
+    target = models.load_target(recipe.target, device="cpu")
+    uploaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompts = [json.loads(line) for line in Path(recipe.data.eval_prompts).read_text().splitlines()]
+    again = run_bench(
+        target, uploaded, models.load_tokenizer(recipe.target.model), prompts, target_name="t", draft_name="d",
+        max_new_tokens=8, num_draft_tokens=3, repeats=1, baselines=("target",), progress=False,
+    )  # fmt: skip
+    assert again["acceptance_rate"] == best["acceptance_rate"]
+    card = (out / "README.md").read_text()
+    assert "re-measured at publish time on the uploaded merged weights (4 eval prompts)" in card
+    assert f"| acceptance rate (accepted / drafted tokens) | 0.411 | {best['acceptance_rate']:.3f} |" in card
+
+
+def test_qlora_no_remeasure_says_so(qlora_run, tmp_path):
+    proc = run_cli(str(qlora_run), "--repo-id", REPO_ID, "--dry-run", str(tmp_path / "out"), "--no-remeasure")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((tmp_path / "out" / "draftsmith_eval.json").read_text())
+    assert info["best"] == QLORA_EVAL and info["measured_on_uploaded_weights"] is False
+    assert (
+        "was measured on the 4-bit base with unmerged LoRA adapters (QLoRA), not on the uploaded"
+        in (tmp_path / "out" / "README.md").read_text()
+    )
+
+
+def test_qlora_without_eval_prompts_is_refused(qlora_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(qlora_run, run)
+    recipe = load_recipe(run / "resolved_recipe.yaml", [f"data.eval_prompts={tmp_path / 'gone.jsonl'}"])
+    save_recipe(recipe, run)
+    proc = run_cli(str(run), "--repo-id", REPO_ID, "--dry-run", str(tmp_path / "out"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "re-measures the merged draft" in lines[0] and "--no-remeasure" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing half-written
