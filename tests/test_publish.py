@@ -692,8 +692,9 @@ def test_qlora_without_eval_prompts_is_refused(qlora_run, tmp_path):
     shutil.copytree(qlora_run, run)
     recipe = load_recipe(run / "resolved_recipe.yaml", [f"data.eval_prompts={tmp_path / 'gone.jsonl'}"])
     save_recipe(recipe, run)
-    proc = run_cli(str(run), "--repo-id", REPO_ID, "--dry-run", str(tmp_path / "out"))
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert "re-measures the merged draft" in lines[0] and "--no-remeasure" in lines[0]
+    with pytest.raises(pub.PublishError) as err:
+        pub.publish(run, REPO_ID, dry_run_dir=tmp_path / "out")
+    message = str(err.value)
+    assert "\n" not in message and "gone.jsonl" in message and "--no-remeasure" in message
+    assert "re-measures the merged draft" in message and str(tmp_path) not in message.split("(")[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing half-written
