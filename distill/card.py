@@ -90,7 +90,7 @@ def eval_results(info: dict) -> list[EvalResult]:
     dataset = {
         "task_type": "text-generation",
         "task_name": "speculative decoding",
-        "dataset_type": prompts if is_hub_id(prompts) else "local",
+        "dataset_type": prompts if is_hub_id(prompts) and not prompts.endswith((".jsonl", ".json")) else "local",
         "dataset_name": prompts,
     }
     results = []

@@ -258,9 +258,6 @@ def eval_not_on_upload(src: PublishSource) -> str | None:
     if isinstance(quant, dict) and (quant.get("load_in_4bit") or quant.get("load_in_8bit")):
         bits = "4-bit" if quant.get("load_in_4bit") else "8-bit"
         return f"was measured on the {bits} base with unmerged LoRA adapters (QLoRA)"
-    adapter = src.model_dir / "adapter_config.json"
-    if adapter.is_file() and read_json(adapter).get("quantization_config"):
-        return "was measured on a quantized base with unmerged LoRA adapters (QLoRA)"
     return None
 
 
@@ -331,7 +328,7 @@ def remeasure(folder: Path, src: PublishSource, repo_id: str, reason: str, promp
         temperature=ev.temperature,
         top_p=ev.top_p,
         top_k=ev.top_k,
-        num_draft_tokens=ev.num_draft_tokens,
+        num_draft_tokens=src.eval.get("num_draft_tokens", ev.num_draft_tokens),  # the gamma the card publishes
         batch_size=ev.batch_size,
         repeats=ev.repeats,
         seed=recipe.train.seed,

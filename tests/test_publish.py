@@ -485,6 +485,7 @@ def test_card_parses_back_with_figures_in_model_index(published):
     assert figures[("draftsmith", "acceptance rate (draftsmith)")] == 0.6543
     assert figures[("draftsmith", "tokens/s HF assisted generation (transformers defaults)")] == 101.2
     assert all(r.task_type == "text-generation" and r.dataset_name == "dev-prompts.jsonl" for r in data.eval_results)
+    assert {r.dataset_type for r in data.eval_results} == {"local"}  # a local prompt file, not a Hub dataset
     model_index = front_matter((published / "README.md").read_text())["model-index"]
     assert model_index[0]["name"] == "tiny-draft" and len(model_index[0]["results"][0]["metrics"]) == 6
 
@@ -659,6 +660,7 @@ def test_qlora_draft_is_remeasured_on_the_merged_upload(qlora_run, tmp_path, cap
     assert info["training_eval"] == QLORA_EVAL and info["measured_on_uploaded_weights"] is True
     best = info["best"]
     assert best["engine"] == "draftsmith" and best["n_prompts"] == 4 and best["new_tokens"] == 8
+    assert best["num_draft_tokens"] == 4 == info["num_assistant_tokens"]  # the checkpoint's gamma, not the recipe's 3
     assert best["outputs_match_target"] is True and best["acceptance_rate"] != QLORA_EVAL["acceptance_rate"]
     assert "QLoRA r=16, merged" in info["method"]
     # The acceptance is the uploaded folder's own: greedy acceptance is deterministic, so a fresh bench agrees.
@@ -668,7 +670,7 @@ def test_qlora_draft_is_remeasured_on_the_merged_upload(qlora_run, tmp_path, cap
     prompts = [json.loads(line) for line in Path(recipe.data.eval_prompts).read_text().splitlines()]
     again = run_bench(
         target, uploaded, models.load_tokenizer(recipe.target.model), prompts, target_name="t", draft_name="d",
-        max_new_tokens=8, num_draft_tokens=3, repeats=1, baselines=("target",), progress=False,
+        max_new_tokens=8, num_draft_tokens=4, repeats=1, baselines=("target",), progress=False,
     )  # fmt: skip
     assert again["acceptance_rate"] == best["acceptance_rate"]
     card = (out / "README.md").read_text()
