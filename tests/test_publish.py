@@ -676,6 +676,8 @@ def test_qlora_draft_is_remeasured_on_the_merged_upload(qlora_run, tmp_path, cap
     card = (out / "README.md").read_text()
     assert "re-measured at publish time on the uploaded merged weights (4 eval prompts)" in card
     assert f"| acceptance rate (accepted / drafted tokens) | 0.411 | {best['acceptance_rate']:.3f} |" in card
+    for name, text in uploaded_texts(out).items():  # the re-measured figures name no local path either
+        assert str(qlora_run.parent) not in text and "/tmp/" not in text, name
 
 
 def test_qlora_no_remeasure_says_so(qlora_run, tmp_path):
