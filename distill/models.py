@@ -30,20 +30,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from decode.compat import check_vocab_compatible, cpu_has_native_bf16
 from distill.config import ModelConfig, QuantConfig
+from distill.hub import hub_offline
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ---------------------------------------------------------------- resolution: paths, hub ids, devices, dtypes
-
-
-def hub_offline() -> bool:
-    """True when the Hugging Face hub must not be contacted (HF_HUB_OFFLINE)."""
-    import huggingface_hub.constants
-
-    env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    return env or bool(huggingface_hub.constants.HF_HUB_OFFLINE)
 
 
 def resolve_model_path(name: str, key: str, revision: str | None = None) -> str:

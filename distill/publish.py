@@ -6,12 +6,17 @@ The published folder is a plain Transformers repo that HF assisted generation (`
     model.safetensors (+ config.json)   merged weights; vocab_size equal to the target's (rows padded if needed)
     tokenizer files                     the target's, so both models tokenize identically
     generation_config.json              num_assistant_tokens = the best measured gamma, constant schedule
-    README.md                           model card: measured figures, hardware, prompts, recipe, usage
+    README.md                           model card: measured figures per engine, hardware, prompts, recipe, usage
     draftsmith_eval.json                the same figures, machine-readable (the card is rendered from it)
     resolved_recipe.yaml                the recipe that trained the draft
 
+No uploaded text names a path of this machine: a Hub id stays, a local path becomes its base name.
+The figures describe the uploaded weights: a QLoRA checkpoint (measured on a 4-bit base with unmerged adapters)
+is re-measured on the merged folder before the upload, unless `remeasure=False` (then the card says so).
+
 `build_publish_folder` does everything but the upload; `push_folder` uploads; `publish` is both (or a dry
-run). Every user-facing failure is a `PublishError` whose message is one line.
+run). Every user-facing failure is a `PublishError` whose message is one line. The pieces live in
+distill.draft_folder (weights, vocab, tokenizer), distill.card (README.md) and distill.hub (the Hub).
 """
 
 from __future__ import annotations
@@ -29,33 +34,56 @@ from typing import Any
 
 import yaml
 
+from distill.card import engine_of, render_model_card
+from distill.draft_folder import (
+    best_gamma,
+    copy_tokenizer,
+    declared_dtype,
+    generation_config_for,
+    load_merged_draft,
+    match_vocab,
+    read_json,
+    recipe_get,
+)
+from distill.hub import (
+    OFFLINE_MSG,
+    PublishError,
+    check_hub_access,
+    first_line,
+    hub_offline,
+    is_hub_id,
+    upload_folder,
+)
+
+__all__ = [
+    "OFFLINE_MSG",
+    "PublishError",
+    "PublishSource",
+    "best_gamma",
+    "build_publish_folder",
+    "check_hub_access",
+    "check_repo_id",
+    "hub_offline",
+    "match_vocab",
+    "publish",
+    "push_folder",
+    "render_model_card",
+    "resolve_source",
+]
+
 log = logging.getLogger("draftsmith.publish")
 
-# vLLM picks the speculative method from the draft's name when it contains one of these (substring match), so
-# a repo or folder named e.g. "gemma-eagle-draft" would be loaded as an EAGLE head instead of a draft model.
-FORBIDDEN_NAME_WORDS = ("eagle", "eagle3", "dflash", "dspark")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
+# vLLM picks the speculative method from the draft's name or config when they name one of these (substring
+# match), so a repo named e.g. "gemma-eagle-draft" would be loaded as an EAGLE head instead of a draft model.
+FORBIDDEN_NAME_WORDS = ("eagle", "eagle3", "dflash", "dspark", "medusa", "mlp_speculator", "mtp")
+# ... and in config.json's architectures / model_type (MLPSpeculatorPreTrainedModel has no underscore).
+FORBIDDEN_CONFIG_WORDS = (*FORBIDDEN_NAME_WORDS, "speculator")
 EVAL_KEYS = ("acceptance_rate", "mean_accepted_length", "num_draft_tokens", "speedup", "temperature", "new_tokens")
-TAGS = ["speculative-decoding", "draft-model", "draftsmith"]
-OFFLINE_MSG = "the Hub is offline (HF_HUB_OFFLINE=1): unset it to upload, or pass --dry-run DIR to write the folder"
+REMEASURE_PROMPTS = 8  # eval prompts used to re-measure a merged QLoRA draft: the figure, not a full eval
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-
-
-class PublishError(RuntimeError):
-    """Publishing cannot go on; the message is one line that names the fix."""
+# An absolute path (or ~/...) in free text; not preceded by a word character, ':' or '/' so that URLs and Hub
+# ids ("org/name") are left alone.
+_ABS_PATH_RE = re.compile(r"(?<![\w.:/~-])(?:~|/)(?:/?[\w.+@=-]+)+/?")
 
 
 # ---------------------------------------------------------------- inputs
@@ -66,12 +94,13 @@ class PublishSource:
     """What a run or checkpoint directory provides for publishing."""
 
     model_dir: Path  # HF model dir or peft adapter dir
-    eval: dict  # bench JSON of the published checkpoint (docs/bench.md)
+    eval: dict  # bench JSON of the published checkpoint (docs/bench.md), measured by the recipe's eval.engine
     label: str  # "best" or "checkpoints/step-N": where in the run it came from
     report: dict | None = None  # report.json of the run, when found
     recipe_path: Path | None = None
     step: int | None = None
     recipe: dict = field(default_factory=dict)  # resolved recipe as plain data ({} when not found)
+    engines: dict = field(default_factory=dict)  # engine -> bench JSON from eval_<engine>.json beside eval.json
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -93,15 +122,27 @@ def check_name_words(name: str, what: str) -> None:
         )
 
 
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+def check_plain_draft_config(config: dict) -> None:
+    """A config.json whose architectures / model_type name a speculator kind would make vLLM pick that method."""
+    names = [str(a) for a in config.get("architectures") or []] + [str(config.get("model_type") or "")]
+    for name in names:
+        hit = next((w for w in FORBIDDEN_CONFIG_WORDS if w in name.lower().replace("-", "_")), None)
+        if hit:
+            raise PublishError(
+                f"the draft's config names {name!r}, a speculator kind ({hit}): vLLM would not load it as a plain "
+                "draft model; publish a causal LM (e.g. LlamaForCausalLM) instead"
+            )
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise PublishError(f"cannot read {path}: {e}") from None
+def _extra_engines(model_dir: Path) -> dict[str, dict]:
+    """eval_<engine>.json beside eval.json: the same draft measured by further engines (e.g. vLLM)."""
+    found = {}
+    for path in sorted(model_dir.glob("eval_*.json")):
+        ev = read_json(path)
+        if not isinstance(ev, dict) or "speedup" not in ev:
+            raise PublishError(f"{path} is not a bench JSON (no 'speedup'): remove it or re-measure the draft")
+        found[str(ev.get("engine") or path.stem.removeprefix("eval_"))] = ev
+    return found
 
 
 def resolve_source(source: str | Path) -> PublishSource:
@@ -115,7 +156,7 @@ def resolve_source(source: str | Path) -> PublishSource:
                 f"no report.json in {source} (train/distill.py writes it when the run ends); "
                 f"publish a checkpoint instead, e.g. {source / 'best'}"
             )
-        report = _read_json(source / "report.json")
+        report = read_json(source / "report.json")
         if not (source / "best").is_dir():
             raise PublishError(f"no best/ in {source}: the run has not saved a best checkpoint")
         if not isinstance(report, dict) or not isinstance(report.get("best"), dict):
@@ -125,13 +166,13 @@ def resolve_source(source: str | Path) -> PublishSource:
     elif (source / "eval.json").is_file():
         run_dirs = [source, source.parent, source.parent.parent]  # best/ or checkpoints/step-N/
         report_file = next((d / "report.json" for d in run_dirs[1:] if (d / "report.json").is_file()), None)
-        report = _read_json(report_file) if report_file else None
+        report = read_json(report_file) if report_file else None
         match = re.fullmatch(r"step-(\d+)", source.name)
         if match:
             step, label = int(match.group(1)), f"checkpoints/{source.name}"
         else:
             step, label = (report or {}).get("best_step") if source.name == "best" else None, source.name
-        found = PublishSource(source, _read_json(source / "eval.json"), label, report, step=step)
+        found = PublishSource(source, read_json(source / "eval.json"), label, report, step=step)
         if found.step is None and isinstance(found.eval, dict) and isinstance(found.eval.get("step"), int):
             found.step = found.eval["step"]  # train/distill.py records the step in eval.json too
     else:
@@ -146,6 +187,9 @@ def resolve_source(source: str | Path) -> PublishSource:
         raise PublishError(f"the eval figures for {found.label} lack {', '.join(missing)}: not a bench JSON")
     if not any((found.model_dir / f).is_file() for f in ("config.json", "adapter_config.json")):
         raise PublishError(f"{found.model_dir} holds no model (config.json) or LoRA adapter (adapter_config.json)")
+    if (found.model_dir / "config.json").is_file():
+        check_plain_draft_config(read_json(found.model_dir / "config.json"))  # before any weight is loaded
+    found.engines = _extra_engines(found.model_dir)
     found.recipe_path = next(
         (d / "resolved_recipe.yaml" for d in run_dirs if (d / "resolved_recipe.yaml").is_file()), None
     )
@@ -155,20 +199,6 @@ def resolve_source(source: str | Path) -> PublishSource:
         except yaml.YAMLError as e:
             raise PublishError(f"{found.recipe_path} is not valid YAML: {e}") from None
     return found
-
-
-def _recipe_get(recipe: dict, dotted: str, default: Any = None) -> Any:
-    node: Any = recipe
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return default if node in (None, "") else node
-
-
-def is_hub_id(name: str | None) -> bool:
-    """A Hub model id (`org/name` or a legacy bare name) rather than a local path."""
-    return bool(name) and not Path(name).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is not None
 
 
 def local_hardware() -> str:
@@ -189,299 +219,177 @@ def local_hardware() -> str:
     return f"CPU: {cpu}, {os.cpu_count()} cores"
 
 
-# ---------------------------------------------------------------- model
+# ---------------------------------------------------------------- no local paths in what is uploaded
 
 
-def load_merged_draft(src: PublishSource):
-    """The draft as a plain transformers model: a LoRA adapter is merged into its base (in fp32, then cast back).
+def public_name(name: str | None, fallback: str = "a local model") -> str | None:
+    """A Hub id as is; a local path as its base name (`fallback` when it has none)."""
+    if not name or is_hub_id(name):
+        return name
+    return Path(name).expanduser().name or fallback
 
-    Returns (model, base_id): base_id is the model the draft was fine-tuned from.
+
+def scrub_text(text: str) -> str:
+    """Every absolute path in `text` replaced by its base name (URLs and Hub ids stay)."""
+    return _ABS_PATH_RE.sub(lambda m: Path(m.group().rstrip("/")).name or "a local path", text)
+
+
+def scrub(obj: Any) -> Any:
+    """`scrub_text` on every string of a JSON-like object."""
+    if isinstance(obj, str):
+        return scrub_text(obj)
+    if isinstance(obj, dict):
+        return {k: scrub(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [scrub(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------- which figures describe the upload
+
+
+def eval_not_on_upload(src: PublishSource) -> str | None:
+    """Why the checkpoint's eval was not measured on the weights that are uploaded, or None when it was.
+
+    The upload is always dense merged weights. Training measures a LoRA draft merged (the same weights), but a
+    QLoRA draft on its quantized base with the adapters unmerged: other weights, other speed.
     """
-    import torch
+    quant = recipe_get(src.recipe, "draft.quantization") or {}
+    if isinstance(quant, dict) and (quant.get("load_in_4bit") or quant.get("load_in_8bit")):
+        bits = "4-bit" if quant.get("load_in_4bit") else "8-bit"
+        return f"was measured on the {bits} base with unmerged LoRA adapters (QLoRA)"
+    return None
+
+
+def _eval_prompts(recipe_path: Path, limit: int) -> list[dict]:
+    """The first `limit` eval prompts of the run's resolved recipe (as train/distill.py chose them)."""
+    from distill import data
+    from distill.config import load_recipe
+
+    cfg = load_recipe(recipe_path).data
+    if cfg.eval_prompts:
+        rows = data.load_rows(cfg.eval_prompts, key="data.eval_prompts", prompt_field=cfg.prompt_field)
+    else:
+        rows = data.load_train_eval(cfg)[1]
+    return rows[:limit]
+
+
+def _cannot_remeasure(reason: str, why: str) -> PublishError:
+    return PublishError(
+        f"the checkpoint's eval {reason}, so publish re-measures the merged draft, but {why}: fix that, or pass "
+        "--no-remeasure to publish the training-time figures with a note saying they are not the upload's"
+    )
+
+
+def remeasure_prompts(src: PublishSource, reason: str, n_prompts: int) -> list[dict]:
+    """The eval prompts a re-measurement uses (checked before the build); a one-line PublishError when none."""
+    if src.recipe_path is None:
+        raise _cannot_remeasure(reason, "no resolved_recipe.yaml was found beside the checkpoint")
+    try:
+        prompts = _eval_prompts(src.recipe_path, n_prompts)
+    except (OSError, ValueError) as e:
+        raise _cannot_remeasure(reason, f"its eval prompts could not be loaded ({first_line(e)})") from None
+    if not prompts:
+        raise _cannot_remeasure(reason, "the recipe's eval prompts are empty")
+    return prompts
+
+
+def remeasure(folder: Path, src: PublishSource, repo_id: str, reason: str, prompts: list[dict]) -> dict:
+    """The bench JSON of the built folder's weights, measured by draftsmith's decoder on the run's eval prompts.
+
+    Uses the recipe's eval settings (new tokens, temperature, gamma, batch size, repeats) with the target as the
+    recipe loads it; a one-line PublishError when the target cannot be loaded.
+    """
     from transformers import AutoModelForCausalLM
 
-    trust = bool(_recipe_get(src.recipe, "draft.trust_remote_code", False))
-    adapter_file = src.model_dir / "adapter_config.json"
-    if not adapter_file.is_file():
-        model = AutoModelForCausalLM.from_pretrained(src.model_dir, dtype="auto", trust_remote_code=trust)
-        return model, _recipe_get(src.recipe, "draft.model") or src.eval.get("draft")
-    from peft import PeftModel
+    from decode.bench import run_bench
+    from distill import models
+    from distill.config import load_recipe
 
-    adapter = _read_json(adapter_file)
-    base_id = adapter.get("base_model_name_or_path") or _recipe_get(src.recipe, "draft.model")
-    if not base_id:
-        raise PublishError(f"{adapter_file} names no base model and no recipe was found: cannot merge the LoRA")
-    revision = _recipe_get(src.recipe, "draft.revision") if base_id == _recipe_get(src.recipe, "draft.model") else None
+    recipe = load_recipe(src.recipe_path)
     try:
-        base = AutoModelForCausalLM.from_pretrained(base_id, dtype="auto", revision=revision, trust_remote_code=trust)
-    except OSError as e:
-        raise PublishError(f"cannot load the LoRA's base model {base_id!r}: {_first_line(e)}") from None
-    dtype = base.dtype
-    # Merge in fp32: W + (alpha / r) * B @ A rounded once, not at every bf16 step.
-    merged = PeftModel.from_pretrained(base.to(torch.float32), src.model_dir).merge_and_unload()
-    return merged.to(dtype), base_id
-
-
-def declared_dtype(model_id: str | None, trust_remote_code: bool = False) -> str | None:
-    """The dtype a model's config.json declares ('bfloat16', ...), or None when its config cannot be read."""
-    if not model_id:
-        return None
-    from transformers import AutoConfig
-
-    try:
-        dtype = getattr(AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code), "dtype", None)
-    except Exception:  # noqa: BLE001 - offline / gated: keep the weights as they are
-        return None
-    return str(dtype).removeprefix("torch.") if dtype is not None else None
-
-
-def match_vocab(model, target_vocab: int) -> tuple[int, int]:
-    """Resize the draft's embeddings (and untied lm_head) to the target's vocabulary size.
-
-    Padded rows are the mean of the existing rows: the padded ids never come out of the tokenizer, and an
-    lm_head row equal to the mean row gives the mean logit, which can never be the draft's greedy choice.
-    Rows beyond the target's vocabulary are dropped (the target's tokenizer never produces them).
-    Returns (old, new) vocab sizes.
-    """
-    import torch
-
-    old = model.get_input_embeddings().weight.shape[0]
-    if old != target_vocab:
-        model.resize_token_embeddings(target_vocab, mean_resizing=False)
-        if target_vocab > old:
-            with torch.no_grad():
-                emb = model.get_input_embeddings().weight
-                emb[old:] = emb[:old].mean(0)
-                head = model.get_output_embeddings()
-                if head is not None and head.weight.data_ptr() != emb.data_ptr():
-                    head.weight[old:] = head.weight[:old].mean(0)
-                if head is not None and getattr(head, "bias", None) is not None:
-                    head.bias[old:] = head.bias[:old].mean()
-    model.config.get_text_config().vocab_size = target_vocab
-    return old, target_vocab
-
-
-def generation_config_for(model, target_gen, num_assistant_tokens: int):
-    """The draft's generation config with the target's special tokens and the best measured gamma."""
-    gen = model.generation_config
-    if target_gen is not None:
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if getattr(target_gen, key, None) is not None:
-                setattr(gen, key, getattr(target_gen, key))
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if getattr(gen, key, None) is None and getattr(model.config, key, None) is not None:
-            setattr(gen, key, getattr(model.config, key))
-    # HF assisted generation reads these from the assistant's generation config (its default gamma is 20). The
-    # figures were measured with a constant gamma; HF's default confidence threshold (0.4) would end drafts early
-    # and change it, so 0 turns that off: the published draft runs as measured.
-    gen.num_assistant_tokens = num_assistant_tokens
-    gen.num_assistant_tokens_schedule = "constant"
-    gen.assistant_confidence_threshold = 0.0
-    gen._from_model_config = False  # edited on purpose: transformers must not regenerate it from config.json
-    return gen
-
-
-def best_gamma(ev: dict) -> int:
-    """The gamma measured in the eval: num_draft_tokens, or the mean gamma used when it was 'auto'."""
-    g = ev.get("num_draft_tokens")
-    if isinstance(g, int) and not isinstance(g, bool) and g > 0:
-        return g
-    return max(1, round(float(ev.get("mean_num_draft_tokens") or 1)))
-
-
-def _copy_tokenizer(target: str, src: PublishSource, dest: Path, trust: bool, notes: list[str]) -> str:
-    """The target's tokenizer files into dest; falls back to the draft's (with a note). Returns "target" or "draft"."""
-    if Path(target).is_dir() and any((Path(target) / f).is_file() for f in TOKENIZER_FILES):
-        for f in TOKENIZER_FILES:
-            if (Path(target) / f).is_file():
-                shutil.copy2(Path(target) / f, dest / f)
-        return "target"
-    from transformers import AutoTokenizer
-
-    try:
-        AutoTokenizer.from_pretrained(target, trust_remote_code=trust).save_pretrained(dest)
-        return "target"
-    except Exception as e:  # noqa: BLE001 - offline, gated, missing: all mean "fall back to the draft's"
-        reason = _first_line(e)
-    for d in (src.model_dir, src.model_dir.parent, src.model_dir.parent.parent):
-        if any((d / f).is_file() for f in TOKENIZER_FILES[:2]):
-            for f in TOKENIZER_FILES:
-                if (d / f).is_file():
-                    shutil.copy2(d / f, dest / f)
-            notes.append(f"tokenizer files copied from the draft: the target's ({target}) could not be loaded")
-            log.warning(f"{notes[-1]} ({reason})")
-            return "draft"
-    raise PublishError(f"no tokenizer: the target's ({target}) could not be loaded ({reason}) and the draft has none")
-
-
-# ---------------------------------------------------------------- card
-
-
-def _fmt(value: Any, spec: str) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int | float):
-        return spec.format(value)
-    return str(value)
-
-
-def _rows(ev: dict) -> list[tuple[str, str]]:
-    """(label, formatted value) for one bench JSON: the card's table column."""
-    tps, sp = ev.get("tokens_per_s") or {}, ev.get("speedup") or {}
-    return [
-        ("acceptance rate (accepted / drafted tokens)", _fmt(ev.get("acceptance_rate"), "{:.3f}")),
-        ("τ, mean accepted length (tokens per target pass)", _fmt(ev.get("mean_accepted_length"), "{:.2f}")),
-        ("speedup vs target-only decoding", _fmt(sp.get("vs_target"), "{:.2f}x")),
-        ("speedup vs HF assisted generation", _fmt(sp.get("vs_hf_assisted"), "{:.2f}x")),
-        ("… with HF on draftsmith's CPU kernels", _fmt(sp.get("vs_hf_assisted_same_kernels"), "{:.2f}x")),
-        ("tokens/s: speculative", _fmt(tps.get("speculative"), "{:.1f}")),
-        ("tokens/s: target only", _fmt(tps.get("target"), "{:.1f}")),
-        ("tokens/s: HF assisted generation", _fmt(tps.get("hf_assisted"), "{:.1f}")),
-        ("γ, draft tokens per round", _fmt(ev.get("num_draft_tokens"), "{}")),
-        ("draft cost ratio c", _fmt(ev.get("draft_cost_ratio"), "{:.3f}")),
-        ("theoretical speedup (forward times only)", _fmt(ev.get("theoretical_speedup"), "{:.2f}x")),
-        ("outputs match the target's (greedy)", _fmt(ev.get("outputs_match_target"), "{}")),
-    ]
-
-
-def front_matter(info: dict) -> dict:
-    """The card's YAML metadata (Hub model card fields + the target the draft was made for)."""
-    meta: dict[str, Any] = {}
-    if is_hub_id(info["base_model"]):
-        meta["base_model"] = info["base_model"]
-        meta["base_model_relation"] = "finetune"
-    meta.update(library_name="transformers", pipeline_tag="text-generation", tags=list(TAGS))
-    meta["target_model"] = info["target"]
-    return meta
-
-
-def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) -> str:
-    """README.md for the published draft, rendered from `info` (the content of draftsmith_eval.json)."""
-    best, base = info["best"], info.get("base")
-    target, gamma = info["target"], info["num_assistant_tokens"]
-    name = repo_id.split("/")[-1]
-    meta = yaml.safe_dump(front_matter(info), sort_keys=False, allow_unicode=True)
-    step = f"step {info['best_step']}" if info.get("best_step") is not None else info["checkpoint"]
-    lines = [f"---\n{meta}---", "", f"# {name}", ""]
-    lines += [
-        f"A draft model for speculative decoding with **{target}** as the target, trained from "
-        f"**{info['base_model']}** with draftsmith ({info['method']}). Speculative decoding "
-        "is lossless: the text is the target's own; the draft only makes it come out faster.",
-        "",
-        "## Measured speedup",
-        "",
-        f"Target: `{target}`. Measured by draftsmith's speculative decoder (`python -m decode bench`) on "
-        f"held-out prompts, warm-up first, methods interleaved prompt by prompt, median of repeats.",
-        "",
-    ]
-    columns = [_rows(base), _rows(best)] if base else [_rows(best)]
-    header = ("| | base draft " if base else "| ") + f"| this draft ({step}) |"
-    lines += [header, "|---" * (len(columns) + 1) + "|"]
-    for i, (label, _) in enumerate(columns[-1]):
-        lines.append(f"| {label} | " + " | ".join(col[i][1] for col in columns) + " |")
-    ppa = best.get("per_position_acceptance") or []
-    lines += [
-        "",
-        f"- per-position acceptance (draft token 1, 2, ...): {', '.join(f'{p:.3f}' for p in ppa) or 'n/a'}",
-        f"- temperature: {best['temperature']}; new tokens per prompt: {best['new_tokens']}; "
-        f"prompts: {best.get('n_prompts', 'n/a')}; batch size: {best.get('batch_size', 'n/a')}",
-        f"- prompts file: {info['prompts']}",
-        f"- hardware: {info['hardware']}",
-        f"- `generation_config.json` sets `num_assistant_tokens: {gamma}` (the measured γ), constant, no early stop",
-    ]
-    lines += [f"- note: {note}" for note in info.get("notes", [])]
-    if info.get("checkpoints"):
-        lines += ["", "Evaluations during training:", "", "| step | speedup vs target | acceptance rate | loss |"]
-        lines.append("|---|---|---|---|")
-        for c in info["checkpoints"]:
-            lines.append(
-                f"| {c.get('step')} | {_fmt(c.get('speedup'), '{:.2f}x')} | "
-                f"{_fmt(c.get('acceptance_rate'), '{:.3f}')} | {_fmt(c.get('loss'), '{:.4f}')} |"
-            )
-    spec = json.dumps({"model": repo_id, "method": "draft_model", "num_speculative_tokens": gamma})
-    prompts_file = info["prompts"] if str(info["prompts"]).endswith(".jsonl") else "PROMPTS.jsonl"
-    lines += [
-        "",
-        "## Usage",
-        "",
-        "Transformers (assisted generation; the draft's `generation_config.json` carries the measured γ):",
-        "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "",
-        f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
-        f'target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto", device_map="auto")',
-        f'draft = AutoModelForCausalLM.from_pretrained("{repo_id}", dtype="auto", device_map="auto")',
-        'inputs = tokenizer("The key idea of speculative decoding is", return_tensors="pt").to(target.device)',
-        "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128, do_sample=False)",
-        "print(tokenizer.decode(out[0], skip_special_tokens=True))",
-        "```",
-        "",
-        "vLLM:",
-        "",
-        "```python",
-        "from vllm import LLM, SamplingParams",
-        "",
-        f'llm = LLM(model="{target}", speculative_config={spec})',
-        "params = SamplingParams(temperature=0, max_tokens=128)",
-        'print(llm.generate(["The key idea of speculative decoding is"], params)[0].outputs[0].text)',
-        "```",
-        "",
-        "```bash",
-        f"vllm serve {target} --speculative-config '{spec}'",
-        "```",
-        "",
-        "SGLang:",
-        "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {target} \\",
-        f"    --speculative-algorithm STANDALONE --speculative-draft-model-path {repo_id} \\",
-        f"    --speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}",
-        "```",
-        "",
-        "## Reproduce",
-        "",
-        "Train (the recipe below is also in this repo as `resolved_recipe.yaml`) and measure:",
-        "",
-        "```bash",
-        "accelerate launch train/distill.py --recipe resolved_recipe.yaml",
-        f"python -m decode bench --target {target} --draft {repo_id} --prompts {prompts_file} "
-        f"--num-draft-tokens {best['num_draft_tokens']} --temperature {best['temperature']} "
-        f"--max-new-tokens {best['new_tokens']}",
-        "```",
-        "",
-    ]
-    if recipe_text:
-        lines += ["Recipe:", "", "```yaml", recipe_text.rstrip(), "```", ""]
-    else:
-        lines += ["The recipe was not found beside the checkpoint.", ""]
-    lines += ["The figures above are in `draftsmith_eval.json` in this repo, machine-readable.", ""]
-    return "\n".join(lines)
+        target = models.load_target(recipe.target)
+        tokenizer = models.load_tokenizer(recipe.target.model, recipe.target)
+    except (OSError, ValueError) as e:
+        raise _cannot_remeasure(reason, f"the target could not be loaded ({first_line(e)})") from None
+    device = next(target.parameters()).device
+    draft = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").to(device).eval()
+    ev = recipe.eval
+    hf = ev.hf_assisted and ev.batch_size == 1
+    log.warning(f"re-measuring the merged draft on {len(prompts)} eval prompts: the checkpoint's eval {reason}")
+    result = run_bench(
+        target,
+        draft,
+        tokenizer,
+        prompts,
+        target_name=recipe.target.model,
+        draft_name=repo_id,
+        max_new_tokens=ev.max_new_tokens,
+        temperature=ev.temperature,
+        top_p=ev.top_p,
+        top_k=ev.top_k,
+        num_draft_tokens=src.eval.get("num_draft_tokens", ev.num_draft_tokens),  # the gamma the card publishes
+        batch_size=ev.batch_size,
+        repeats=ev.repeats,
+        seed=recipe.train.seed,
+        baselines=("target", "hf") if hf else ("target",),
+        progress=False,
+    )
+    result.setdefault("engine", "draftsmith")
+    result["hardware"] = local_hardware()
+    result["prompts"] = src.eval.get("prompts") or _prompts_name(src)
+    return result
 
 
 # ---------------------------------------------------------------- build, push, publish
 
 
 def _describe_method(recipe: dict, lora: bool) -> str:
-    loss = _recipe_get(recipe, "distill.loss")
-    source = _recipe_get(recipe, "distill.source")
-    how = f"LoRA r={_recipe_get(recipe, 'draft.lora.r', '?')}, merged" if lora else "full fine-tune"
+    loss = recipe_get(recipe, "distill.loss")
+    source = recipe_get(recipe, "distill.source")
+    quant = recipe_get(recipe, "draft.quantization") or {}
+    q = isinstance(quant, dict) and (quant.get("load_in_4bit") or quant.get("load_in_8bit"))
+    kind = "QLoRA" if q else "LoRA"
+    how = f"{kind} r={recipe_get(recipe, 'draft.lora.r', '?')}, merged" if lora else "full fine-tune"
     return f"{loss} distillation on {source} sequences, {how}" if loss else how
 
 
 def _prompts_name(src: PublishSource) -> str:
     if src.eval.get("prompts"):
-        return str(src.eval["prompts"])
-    eval_prompts = _recipe_get(src.recipe, "data.eval_prompts")
+        return public_name(str(src.eval["prompts"]), "local prompt file")
+    eval_prompts = recipe_get(src.recipe, "data.eval_prompts")
     if eval_prompts:
-        return Path(eval_prompts).name if Path(eval_prompts).is_file() else eval_prompts
-    train = _recipe_get(src.recipe, "data.train_prompts")
+        return public_name(eval_prompts, "local prompt file")
+    train = recipe_get(src.recipe, "data.train_prompts")
     if train:
-        train = Path(train).name if Path(train).is_file() else train
-        return f"held-out {_recipe_get(src.recipe, 'data.eval_split', 0.05)} of {train} (from the recipe)"
+        train = public_name(train, "local prompt file")
+        return f"held-out {recipe_get(src.recipe, 'data.eval_split', 0.05)} of {train} (from the recipe)"
     return "not recorded"
+
+
+def _datasets(recipe: dict) -> list[str]:
+    """The Hub datasets the draft was trained / measured on (local prompt files are not Hub datasets)."""
+    names = [recipe_get(recipe, "data.train_prompts"), recipe_get(recipe, "data.eval_prompts")]
+    return list(dict.fromkeys(n for n in names if n and is_hub_id(n) and not n.endswith((".jsonl", ".json"))))
+
+
+def _license(base_id: str | None) -> str | None:
+    """The base draft's license, from its model card when it is local or in the Hub cache (no download)."""
+    if not base_id:
+        return None
+    readme: Any = Path(base_id) / "README.md"
+    if not readme.is_file() and is_hub_id(base_id):
+        from huggingface_hub import try_to_load_from_cache
+
+        readme = try_to_load_from_cache(base_id, "README.md")
+    if not isinstance(readme, str | Path) or not Path(readme).is_file():
+        return None
+    from huggingface_hub import ModelCard
+
+    try:
+        return ModelCard.load(readme).data.license
+    except Exception:  # noqa: BLE001 - a malformed card: no license rather than no publish
+        return None
 
 
 def _check_empty_dest(out_dir: Path) -> None:
@@ -489,22 +397,33 @@ def _check_empty_dest(out_dir: Path) -> None:
         raise PublishError(f"{out_dir} exists and is not empty: choose a new --dry-run directory")
 
 
-def build_publish_folder(source: str | Path, out_dir: str | Path, repo_id: str) -> Path:
+@dataclass
+class BuildOptions:
+    """How the folder is built: re-measure when the eval was not on the uploaded weights, the card's license."""
+
+    remeasure: bool = True
+    remeasure_prompts: int = REMEASURE_PROMPTS
+    license: str | None = None
+
+
+def build_publish_folder(
+    source: str | Path, out_dir: str | Path, repo_id: str, options: BuildOptions | None = None
+) -> Path:
     """Write everything that would be uploaded for `repo_id` into `out_dir` (atomically); return out_dir.
 
     `source` is a run directory (best/ + report.json) or a checkpoint directory (with eval.json).
     `out_dir` must not exist or be empty; it appears only when complete.
     """
     check_repo_id(repo_id)
-    return _build_atomic(resolve_source(source), Path(out_dir), repo_id)
+    return _build_atomic(resolve_source(source), Path(out_dir), repo_id, options or BuildOptions())
 
 
-def _build_atomic(src: PublishSource, out_dir: Path, repo_id: str) -> Path:
+def _build_atomic(src: PublishSource, out_dir: Path, repo_id: str, options: BuildOptions) -> Path:
     _check_empty_dest(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
     try:
-        _build_into(src, tmp, repo_id)
+        _build_into(src, tmp, repo_id, options)
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above)
         os.replace(tmp, out_dir)
@@ -514,37 +433,49 @@ def _build_atomic(src: PublishSource, out_dir: Path, repo_id: str) -> Path:
     return out_dir
 
 
-def _build_into(src: PublishSource, dest: Path, repo_id: str) -> None:
+def _target_vocab(target: str, revision: str | None, trust: bool, notes: list[str]) -> int | None:
+    """The target's vocab_size from its config only (never its weights); None (with a note) when unreadable."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(target, revision=revision, trust_remote_code=trust)
+        return config.get_text_config().vocab_size
+    except Exception as e:  # noqa: BLE001 - offline / gated / unknown architecture: keep the draft's vocab
+        notes.append(
+            f"the target's config ({public_name(target)}) could not be loaded, so vocab_size is the draft's, "
+            "unchecked (vLLM needs it equal to the target's)"
+        )
+        log.warning(f"{notes[-1]} ({first_line(e)})")
+        return None
+
+
+def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOptions) -> None:
     import torch
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
 
     notes: list[str] = []
     recipe = src.recipe
     if src.recipe_path is None:
         notes.append("no resolved_recipe.yaml found beside the checkpoint; target and draft taken from eval.json")
         log.warning(notes[-1])
-    target = _recipe_get(recipe, "target.model") or src.eval.get("target")
+    target = recipe_get(recipe, "target.model") or src.eval.get("target")
     if not target:
         raise PublishError("the target model is unknown: no recipe and no 'target' in the eval figures")
-    t_rev = _recipe_get(recipe, "target.revision")
-    trust = bool(_recipe_get(recipe, "target.trust_remote_code", False))
+    t_rev = recipe_get(recipe, "target.revision")
+    trust = bool(recipe_get(recipe, "target.trust_remote_code", False))
 
+    reason = eval_not_on_upload(src)
+    prompts = remeasure_prompts(src, reason, options.remeasure_prompts) if reason and options.remeasure else None
     model, base_id = load_merged_draft(src)
-    base_dtype = declared_dtype(base_id, bool(_recipe_get(recipe, "draft.trust_remote_code", False)))
+    check_plain_draft_config(model.config.to_dict())
+    base_dtype = declared_dtype(base_id, bool(recipe_get(recipe, "draft.trust_remote_code", False)))
     if model.dtype == torch.float32 and base_dtype in ("bfloat16", "float16"):
         # A fully fine-tuned draft trains in fp32 master weights; publish it in the dtype it came in (half the size).
         model.to(getattr(torch, base_dtype))
         notes.append(f"weights cast from float32 to {base_dtype}, the dtype of the base draft")
-    lora = (src.model_dir / "adapter_config.json").is_file() or bool(_recipe_get(recipe, "draft.lora.enabled"))
+    lora = (src.model_dir / "adapter_config.json").is_file() or bool(recipe_get(recipe, "draft.lora.enabled"))
 
-    # Vocabulary: the target's config only (never its weights).
-    try:
-        t_cfg = AutoConfig.from_pretrained(target, revision=t_rev, trust_remote_code=trust)
-        target_vocab = t_cfg.get_text_config().vocab_size
-    except Exception as e:  # noqa: BLE001 - offline / gated / unknown architecture: keep the draft's vocab
-        target_vocab = None
-        notes.append(f"the target's config ({target}) could not be loaded, so vocab_size is the draft's, unchecked")
-        log.warning(f"{notes[-1]} ({_first_line(e)})")
+    target_vocab = _target_vocab(target, t_rev, trust, notes)
     old_vocab = model.get_input_embeddings().weight.shape[0]
     if target_vocab is not None and target_vocab != old_vocab:
         match_vocab(model, target_vocab)
@@ -552,6 +483,9 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str) -> None:
         notes.append(f"draft vocabulary {what} from {old_vocab} to the target's {target_vocab} rows")
         log.warning(notes[-1])
     vocab = model.get_input_embeddings().weight.shape[0]
+    config_vocab = model.config.get_text_config().vocab_size
+    if target_vocab is not None and config_vocab != target_vocab:  # vLLM refuses a draft of another vocab_size
+        raise PublishError(f"the draft's config says vocab_size {config_vocab}, the target's {target_vocab}")
 
     try:
         target_gen = GenerationConfig.from_pretrained(target, revision=t_rev)
@@ -560,72 +494,65 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str) -> None:
     gamma = best_gamma(src.eval)
     model.generation_config = generation_config_for(model, target_gen, gamma)
     model.save_pretrained(dest)
-    tokenizer_from = _copy_tokenizer(target, src, dest, trust, notes)
-
-    from transformers import AutoTokenizer
-
+    del model
+    tokenizer_from = copy_tokenizer(target, src, dest, trust, notes)
     n_tokens = len(AutoTokenizer.from_pretrained(dest, trust_remote_code=trust))
     if n_tokens > vocab:
         raise PublishError(f"the tokenizer has {n_tokens} tokens but the draft only {vocab} embedding rows")
 
-    hardware = src.eval.get("hardware")
+    best, training_eval = src.eval, None
+    if reason and prompts:
+        training_eval = src.eval
+        best = remeasure(dest, src, repo_id, reason, prompts)
+        notes.append(
+            f"figures re-measured at publish time on the uploaded merged weights ({best['n_prompts']} eval "
+            f"prompts): the training-time eval {reason} (kept in draftsmith_eval.json as training_eval)"
+        )
+    elif reason:
+        notes.append(f"the figures below {reason}, not on the uploaded merged weights (not re-measured)")
+        log.warning(notes[-1])
+
+    hardware = best.get("hardware")
     if not hardware:
         hardware = f"{local_hardware()} (recorded at publish time; the eval did not record its hardware)"
+    if not is_hub_id(target):
+        notes.append(f"the target is a local model ({public_name(target)}): put its Hub id in the commands below")
+    base_name = public_name(base_id) or "unknown"
+    license_ = options.license or _license(base_id)
+    if not license_:
+        log.warning("no license found for the base draft: the card states none (pass --license)")
     info = {
         "repo_id": repo_id,
-        "target": target,
-        "base_model": base_id or "unknown",
+        "target": public_name(target),
+        "base_model": base_name,
+        "base_model_hub_id": base_id if is_hub_id(base_id) else None,
         "checkpoint": src.label,
         "best_step": src.step,
         "method": _describe_method(recipe, lora),
         "num_assistant_tokens": gamma,
         "hardware": hardware,
         "prompts": _prompts_name(src),
+        "license": license_,
+        "datasets": _datasets(recipe),
         "vocab_size": {"draft": old_vocab, "target": target_vocab, "published": vocab},
         "tokenizer_from": tokenizer_from,
+        "measured_on_uploaded_weights": reason is None or training_eval is not None,
         "notes": notes,
-        "best": src.eval,
+        "best": best,
+        "engines": {k: v for k, v in src.engines.items() if k != engine_of(best)},
         "base": (src.report or {}).get("base"),
         "checkpoints": (src.report or {}).get("checkpoints", []),
     }
-    if not is_hub_id(info["base_model"]):
-        log.warning(f"draft base {info['base_model']!r} is not a Hub id: the card omits base_model")
-    recipe_text = src.recipe_path.read_text() if src.recipe_path else None
+    if training_eval is not None:
+        info["training_eval"] = training_eval
+    if not is_hub_id(base_id):
+        log.warning(f"draft base {base_name!r} is not a Hub id: the card omits base_model")
+    info = scrub(info)
+    recipe_text = scrub_text(src.recipe_path.read_text()) if src.recipe_path else None
     if recipe_text:
         (dest / "resolved_recipe.yaml").write_text(recipe_text)
     (dest / "draftsmith_eval.json").write_text(json.dumps(info, indent=2) + "\n")
     (dest / "README.md").write_text(render_model_card(info, repo_id, recipe_text))
-
-
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub read it at import, or as the environment says now."""
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-
-
-def check_hub_access() -> str:
-    """The logged-in user name; PublishError (one line) when offline or not logged in. No upload happens here."""
-    if hub_offline():
-        raise PublishError(OFFLINE_MSG)
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
-
-    try:
-        return HfApi().whoami()["name"]
-    except LocalTokenNotFoundError:
-        raise PublishError("not logged in to the Hugging Face Hub: set HF_TOKEN or run `hf auth login`") from None
-    except OfflineModeIsEnabled:
-        raise PublishError(OFFLINE_MSG) from None
-    except HfHubHTTPError as e:
-        status = getattr(getattr(e, "response", None), "status_code", None)
-        if status in (401, 403):
-            raise PublishError(
-                f"the Hub refused the token (HTTP {status}): set a valid HF_TOKEN with write access"
-            ) from None
-        raise PublishError(f"cannot reach the Hub: {_first_line(e)}") from None
-    except Exception as e:  # noqa: BLE001 - transport errors (httpx / requests, by hub version): one line
-        raise PublishError(f"cannot reach the Hub: {_first_line(e)}") from None
 
 
 def push_folder(
@@ -642,31 +569,7 @@ def push_folder(
     """
     check_repo_id(repo_id)
     check_hub_access()
-    return _upload(Path(folder), repo_id, private, revision, commit_message)
-
-
-def _upload(folder: Path, repo_id: str, private: bool, revision: str | None, commit_message: str | None) -> str:
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
-
-    api = HfApi()
-    try:
-        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        if revision:
-            api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
-        api.upload_folder(
-            repo_id=repo_id,
-            folder_path=str(folder),
-            revision=revision,
-            repo_type="model",
-            commit_message=commit_message or "Upload draft model (draftsmith)",
-        )
-    except HfHubHTTPError as e:
-        raise PublishError(f"upload to {repo_id} failed: {_first_line(e)}") from None
-    except Exception as e:  # noqa: BLE001 - transport errors (httpx / requests, by hub version): one line
-        raise PublishError(f"upload to {repo_id} failed: {_first_line(e)}") from None
-    url = str(url).rstrip("/")
-    return f"{url}/tree/{revision}" if revision else url
+    return upload_folder(Path(folder), repo_id, private, revision, commit_message)
 
 
 def publish(
@@ -677,18 +580,23 @@ def publish(
     revision: str | None = None,
     dry_run_dir: str | Path | None = None,
     commit_message: str | None = None,
+    remeasure: bool = True,
+    license: str | None = None,
 ) -> str:
     """Build the publish folder from a run or checkpoint dir and upload it; or, with `dry_run_dir`, only write it.
 
+    `remeasure=False` publishes a QLoRA checkpoint's training-time figures (with a note) instead of re-measuring
+    the merged draft. `license` is the card's license id (default: the base draft's, when its card is readable).
     Returns the repo URL, or the dry-run folder's path. A bad source, an offline Hub or a missing login fail
     before the (slow) build and before anything is uploaded.
     """
     check_repo_id(repo_id)
+    options = BuildOptions(remeasure=remeasure, license=license)
     if dry_run_dir is not None:
         check_name_words(str(Path(dry_run_dir).resolve()), "dry-run path")
-        return str(build_publish_folder(source, dry_run_dir, repo_id))
+        return str(build_publish_folder(source, dry_run_dir, repo_id, options))
     src = resolve_source(source)
     check_hub_access()
     with tempfile.TemporaryDirectory(prefix="draftsmith-publish-") as tmp:
-        folder = _build_atomic(src, Path(tmp) / repo_id.split("/")[-1], repo_id)
-        return _upload(folder, repo_id, private, revision, commit_message)
+        folder = _build_atomic(src, Path(tmp) / repo_id.split("/")[-1], repo_id, options)
+        return upload_folder(folder, repo_id, private, revision, commit_message)

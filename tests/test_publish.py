@@ -1,4 +1,6 @@
-"""train/publish.py and distill/publish.py on a tiny but real run directory (offline, CPU, a few seconds).
+"""train/publish.py and distill.publish (+ distill.card, distill.hub, distill.draft_folder) on a tiny real run.
+
+Offline, CPU, a few seconds.
 
 The run directory is what train/distill.py writes (docs/run-directory.md): resolved_recipe.yaml, report.json, best/ (a
 merged HF model + eval.json + tokenizer) and checkpoints/step-N/ (here a peft LoRA adapter + eval.json). The
@@ -7,6 +9,7 @@ target's vocabulary (64) is larger than the draft's (48), so publishing must pad
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -172,7 +175,8 @@ def test_dry_run_folder_contents(published, run_dir):
     assert gen["num_assistant_tokens"] == 4 and gen["num_assistant_tokens_schedule"] == "constant"
     assert gen["assistant_confidence_threshold"] == 0.0  # HF drafts exactly gamma tokens, as measured
     assert (gen["eos_token_id"], gen["pad_token_id"], gen["bos_token_id"]) == (2, 0, 1)
-    assert (published / "resolved_recipe.yaml").read_text() == (run_dir / "resolved_recipe.yaml").read_text()
+    uploaded_recipe = yaml.safe_load((published / "resolved_recipe.yaml").read_text())
+    assert uploaded_recipe["target"]["model"] == "target" and uploaded_recipe["output_dir"] == "run"  # base names
 
 
 def test_card_figures_equal_report(published, run_dir):
@@ -196,11 +200,13 @@ def test_card_figures_equal_report(published, run_dir):
     assert "temperature: 0.0; new tokens per prompt: 32; prompts: 12" in card
     assert "| 20 | 1.50x | 0.550 | 0.9100 |" in card  # evaluations during training
     recipe_block = card.split("```yaml\n")[1].split("```")[0]
-    assert yaml.safe_load(recipe_block) == yaml.safe_load((run_dir / "resolved_recipe.yaml").read_text())
+    assert yaml.safe_load(recipe_block) == yaml.safe_load((published / "resolved_recipe.yaml").read_text())
     # usage snippets with the repo id, the target and gamma filled in
     target = info["target"]
     assert f'AutoModelForCausalLM.from_pretrained("{REPO_ID}"' in card and "assistant_model=draft" in card
-    assert f'"model": "{REPO_ID}", "method": "draft_model", "num_speculative_tokens": 4' in card
+    spec = f'{{"method": "draft_model", "model": "{REPO_ID}", "num_speculative_tokens": 4}}'
+    assert f"vllm serve {target} --speculative-config '{spec}'" in card
+    assert f'LLM(model="{target}", speculative_config={spec})' in card
     assert f"--model-path {target}" in card and "--prompts dev-prompts.jsonl --num-draft-tokens 4" in card
     assert f"--speculative-algorithm STANDALONE --speculative-draft-model-path {REPO_ID}" in card
 
@@ -263,7 +269,7 @@ def test_checkpoint_without_recipe_uses_eval_json(run_dir, tmp_path):
     (lone / "eval.json").write_text(json.dumps({**BEST, "target": recipe.target.model}))
     out = pub.publish(lone, REPO_ID, dry_run_dir=tmp_path / "out")
     info = json.loads((Path(out) / "draftsmith_eval.json").read_text())
-    assert info["target"] == recipe.target.model and info["best_step"] is None
+    assert info["target"] == Path(recipe.target.model).name and info["best_step"] is None  # no local path
     assert any("no resolved_recipe.yaml" in n for n in info["notes"])
     assert "The recipe was not found" in (Path(out) / "README.md").read_text()
 
@@ -345,7 +351,10 @@ def test_card_front_matter_with_hub_ids():
 
 @pytest.mark.parametrize(
     "repo_id",
-    ["me/gemma-eagle-draft", "me/EAGLE3-x", "me/qwen-dflash", "me/DSpark", "noslash", "a/b/c", "me/x--y", ""],
+    [
+        *("me/gemma-eagle-draft", "me/EAGLE3-x", "me/qwen-dflash", "me/DSpark", "me/llama-medusa"),
+        *("me/x-mlp_speculator", "me/deepseek-mtp-draft", "noslash", "a/b/c", "me/x--y", ""),
+    ],
 )
 def test_bad_repo_ids(repo_id):
     with pytest.raises(pub.PublishError):
@@ -455,3 +464,241 @@ def test_push_uploads_the_folder(online, run_dir, monkeypatch):
     assert calls["upload"]["repo_id"] == REPO_ID and calls["upload"]["commit_message"] == "first draft"
     assert {"README.md", "model.safetensors", "draftsmith_eval.json", "generation_config.json"} <= set(calls["files"])
     assert not Path(calls["upload"]["folder_path"]).exists()  # the staging folder is cleaned up
+
+
+# ---------------------------------------------------------------- the card as the Hub reads it, no local paths
+
+
+def uploaded_texts(folder: Path) -> dict[str, str]:
+    """Every uploaded file but the weights, as text."""
+    return {p.name: p.read_text() for p in folder.iterdir() if p.suffix != ".safetensors"}
+
+
+def test_card_parses_back_with_figures_in_model_index(published):
+    from huggingface_hub import ModelCard
+
+    data = ModelCard.load(published / "README.md").data
+    assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
+    assert data.model_name == "tiny-draft" and data.to_dict()["target_model"] == "target"
+    figures = {(r.metric_config, r.metric_name): r.metric_value for r in data.eval_results}
+    assert figures[("draftsmith", "speedup vs target-only (draftsmith)")] == 1.8349
+    assert figures[("draftsmith", "acceptance rate (draftsmith)")] == 0.6543
+    assert figures[("draftsmith", "tokens/s HF assisted generation (transformers defaults)")] == 101.2
+    assert all(r.task_type == "text-generation" and r.dataset_name == "dev-prompts.jsonl" for r in data.eval_results)
+    assert {r.dataset_type for r in data.eval_results} == {"local"}  # a local prompt file, not a Hub dataset
+    model_index = front_matter((published / "README.md").read_text())["model-index"]
+    assert model_index[0]["name"] == "tiny-draft" and len(model_index[0]["results"][0]["metrics"]) == 6
+
+
+def test_no_local_path_is_uploaded(published, run_dir):
+    """The target, base draft, output_dir and prompt paths of this machine appear only as base names."""
+    root = str(run_dir.parent)
+    texts = uploaded_texts(published)
+    assert {"README.md", "draftsmith_eval.json", "resolved_recipe.yaml", "config.json"} <= set(texts)
+    for name, text in texts.items():
+        assert root not in text and "/tmp/" not in text and "pytest-of" not in text, name
+    info = json.loads(texts["draftsmith_eval.json"])
+    assert (info["target"], info["base_model"], info["base_model_hub_id"]) == ("target", "draft", None)
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("model: /home/me/models/target", "model: target"),
+        ("the target's (/data/x/run/best/) could not", "the target's (best) could not"),
+        ("prompts: ~/data/dev.jsonl", "prompts: dev.jsonl"),
+        (
+            "google/gemma-2-9b-it and https://huggingface.co/a/b stay",
+            "google/gemma-2-9b-it and https://huggingface.co/a/b stay",
+        ),
+        ("runs/x/best and 1/2 stay", "runs/x/best and 1/2 stay"),
+    ],
+)
+def test_scrub_text(text, want):
+    assert pub.scrub_text(text) == want
+
+
+def test_license_and_hub_datasets_in_metadata(run_dir, tmp_path):
+    from huggingface_hub import ModelCard
+
+    ckpt = tmp_path / "run" / "best"
+    shutil.copytree(run_dir / "best", ckpt)
+    recipe = load_recipe(run_dir / "resolved_recipe.yaml", ["data.train_prompts=HuggingFaceH4/ultrachat_200k"])
+    recipe.data.eval_prompts = ""
+    save_recipe(recipe, ckpt.parent)
+    out = Path(pub.publish(ckpt, REPO_ID, dry_run_dir=tmp_path / "out", license="apache-2.0"))
+    data = ModelCard.load(out / "README.md").data
+    assert data.license == "apache-2.0" and data.datasets == ["HuggingFaceH4/ultrachat_200k"]
+
+
+# ---------------------------------------------------------------- every engine's figures
+
+
+def test_card_states_every_engine(run_dir, tmp_path):
+    """eval.json (draftsmith, with HF assisted as defaults and as published) and eval_vllm.json both reach the card."""
+    from huggingface_hub import ModelCard
+
+    ckpt = tmp_path / "run" / "best"
+    shutil.copytree(run_dir / "best", ckpt)
+    shutil.copy(run_dir / "resolved_recipe.yaml", ckpt.parent)
+    settings = {
+        "defaults": {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant"},
+        "published": {"num_assistant_tokens": 4, "assistant_confidence_threshold": 0.0},
+    }
+    ev = {
+        **BEST,
+        "engine": "draftsmith",
+        "engine_version": "0.1.0",
+        "tokens_per_s": {**BEST["tokens_per_s"], "hf_assisted_published": 111.1},
+        "speedup": {**BEST["speedup"], "vs_target_ci95": [1.7, 1.95], "vs_hf_assisted_published": 1.1112},
+        "hf_assisted_settings": settings,
+    }
+    (ckpt / "eval.json").write_text(json.dumps(ev))
+    vllm = {**BEST, "engine": "vllm", "engine_version": "0.11.0", "acceptance_rate": 0.61, "hardware": "1 x H200"}
+    vllm["speedup"] = {"vs_target": 2.41, "vs_hf_assisted": None}
+    (ckpt / "eval_vllm.json").write_text(json.dumps(vllm))
+    out = Path(pub.publish(ckpt, REPO_ID, dry_run_dir=tmp_path / "out"))
+    card = (out / "README.md").read_text()
+    assert "| speedup vs target-only decoding | 1.83x (95% CI 1.70-1.95x) |" in card
+    assert "| tokens/s: HF assisted generation (this card's generation_config) | 111.1 |" in card
+    assert "| speedup vs HF assisted generation (this card's generation_config) | 1.11x |" in card
+    assert f"HF assisted generation settings (published): `{json.dumps(settings['published'])}`" in card
+    assert (
+        "### vLLM" in card
+        and "measured by vllm 0.11.0" in card
+        and "| speedup vs target-only decoding | 2.41x |" in card
+    )
+    figures = {
+        (r.metric_config, r.metric_name): r.metric_value for r in ModelCard.load(out / "README.md").data.eval_results
+    }
+    assert figures[("vllm", "speedup vs target-only (vllm)")] == 2.41
+    assert figures[("draftsmith", "tokens/s HF assisted generation (published generation_config)")] == 111.1
+    assert json.loads((out / "draftsmith_eval.json").read_text())["engines"]["vllm"]["acceptance_rate"] == 0.61
+
+
+# ---------------------------------------------------------------- configs vLLM would not load as a draft model
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"architectures": ["EagleLlamaForCausalLM"], "model_type": "llama"},
+        {"architectures": ["Eagle3LlamaForCausalLM"]},
+        {"architectures": ["MedusaModel"]},
+        {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator"},
+        {"architectures": ["DeepSeekMTPModel"], "model_type": "deepseek_mtp"},
+        {"model_type": "eagle"},
+    ],
+)
+def test_speculator_configs_are_refused(config):
+    with pytest.raises(pub.PublishError, match="speculator kind"):
+        pub.check_plain_draft_config(config)
+
+
+def test_plain_configs_pass():
+    for config in ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, {"model_type": "qwen3"}):
+        pub.check_plain_draft_config(config)
+
+
+def test_speculator_checkpoint_is_refused_before_anything_is_written(run_dir, tmp_path):
+    ckpt = tmp_path / "run" / "best"
+    shutil.copytree(run_dir / "best", ckpt)
+    shutil.copy(run_dir / "resolved_recipe.yaml", ckpt.parent)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "architectures": ["EagleLlamaForCausalLM"]}))
+    proc = run_cli(str(ckpt), "--repo-id", REPO_ID, "--dry-run", str(tmp_path / "out"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "EagleLlamaForCausalLM" in proc.stderr and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- QLoRA: the figures must describe the upload
+
+QLORA_EVAL = {**BEST, "acceptance_rate": 0.123456, "hardware": "4-bit eval"}  # stands in for the 4-bit eval
+
+
+@pytest.fixture(scope="module")
+def qlora_run(run_dir, tmp_path_factory) -> Path:
+    """A real QLoRA draft (bitsandbytes 4-bit base + non-zero LoRA) saved as train/distill.py saves best/."""
+    from distill import models
+
+    root = tmp_path_factory.mktemp("qlora")
+    prompts = root / "dev-prompts.jsonl"
+    lines = ["def return import class self", "the a of to and in", "if x else y print x", "for x in y return x"]
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
+    overrides = [
+        "draft.quantization.load_in_4bit=true",
+        "draft.quantization.bnb_4bit_compute_dtype=float32",
+        f"data.eval_prompts={prompts}",
+        "eval.max_new_tokens=8",
+        "eval.repeats=1",
+        "eval.num_draft_tokens=3",
+    ]
+    recipe = load_recipe(run_dir / "resolved_recipe.yaml", overrides)
+    recipe.output_dir = str(root / "run")
+    draft = models.load_draft(recipe.draft, device="cpu")
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)  # a trained adapter: merging it changes the weights
+    run = root / "run"
+    save_recipe(recipe, run)
+    models.save_draft(draft, run / "best", tiny_tokenizer())
+    (run / "best" / "eval.json").write_text(json.dumps(QLORA_EVAL))
+    (run / "report.json").write_text(json.dumps({"base": BASE, "best": QLORA_EVAL, "best_step": 10}))
+    return run
+
+
+def test_qlora_draft_is_remeasured_on_the_merged_upload(qlora_run, tmp_path, caplog):
+    from decode.bench import run_bench
+    from distill import models
+
+    with caplog.at_level("WARNING", logger="draftsmith.publish"):
+        out = Path(pub.publish(qlora_run, REPO_ID, dry_run_dir=tmp_path / "out"))
+    assert "re-measuring the merged draft on 4 eval prompts" in caplog.text
+    info = json.loads((out / "draftsmith_eval.json").read_text())
+    assert info["training_eval"] == QLORA_EVAL and info["measured_on_uploaded_weights"] is True
+    best = info["best"]
+    assert best["engine"] == "draftsmith" and best["n_prompts"] == 4 and best["new_tokens"] == 8
+    assert best["num_draft_tokens"] == 4 == info["num_assistant_tokens"]  # the checkpoint's gamma, not the recipe's 3
+    assert best["outputs_match_target"] is True and best["acceptance_rate"] != QLORA_EVAL["acceptance_rate"]
+    assert "QLoRA r=16, merged" in info["method"]
+    # The acceptance is the uploaded folder's own: greedy acceptance is deterministic, so a fresh bench agrees.
+    recipe = load_recipe(qlora_run / "resolved_recipe.yaml")
+    target = models.load_target(recipe.target, device="cpu")
+    uploaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompts = [json.loads(line) for line in Path(recipe.data.eval_prompts).read_text().splitlines()]
+    again = run_bench(
+        target, uploaded, models.load_tokenizer(recipe.target.model), prompts, target_name="t", draft_name="d",
+        max_new_tokens=8, num_draft_tokens=4, repeats=1, baselines=("target",), progress=False,
+    )  # fmt: skip
+    assert again["acceptance_rate"] == best["acceptance_rate"]
+    card = (out / "README.md").read_text()
+    assert "re-measured at publish time on the uploaded merged weights (4 eval prompts)" in card
+    assert f"| acceptance rate (accepted / drafted tokens) | 0.411 | {best['acceptance_rate']:.3f} |" in card
+    for name, text in uploaded_texts(out).items():  # the re-measured figures name no local path either
+        assert str(qlora_run.parent) not in text and "/tmp/" not in text, name
+
+
+def test_qlora_no_remeasure_says_so(qlora_run, tmp_path):
+    proc = run_cli(str(qlora_run), "--repo-id", REPO_ID, "--dry-run", str(tmp_path / "out"), "--no-remeasure")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((tmp_path / "out" / "draftsmith_eval.json").read_text())
+    assert info["best"] == QLORA_EVAL and info["measured_on_uploaded_weights"] is False
+    assert (
+        "was measured on the 4-bit base with unmerged LoRA adapters (QLoRA), not on the uploaded"
+        in (tmp_path / "out" / "README.md").read_text()
+    )
+
+
+def test_qlora_without_eval_prompts_is_refused(qlora_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(qlora_run, run)
+    recipe = load_recipe(run / "resolved_recipe.yaml", [f"data.eval_prompts={tmp_path / 'gone.jsonl'}"])
+    save_recipe(recipe, run)
+    with pytest.raises(pub.PublishError) as err:
+        pub.publish(run, REPO_ID, dry_run_dir=tmp_path / "out")
+    message = str(err.value)
+    assert "\n" not in message and "gone.jsonl" in message and "--no-remeasure" in message
+    assert "re-measures the merged draft" in message and str(tmp_path) not in message.split("(")[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing half-written

@@ -5,11 +5,14 @@
     python train/publish.py runs/x/checkpoints/step-400 --repo-id USER/NAME --private --revision v1
     # write exactly what would be uploaded, upload nothing
     python train/publish.py runs/quickstart --repo-id USER/quickstart-draft --dry-run out/quickstart-draft
+    # a QLoRA run: the merged draft is re-measured before the upload; --no-remeasure keeps the 4-bit figures
+    python train/publish.py runs/x --repo-id USER/NAME --license apache-2.0 --no-remeasure
 
-The folder (docs/publish.md): merged safetensors with the target's vocab_size, the target's tokenizer
-files, generation_config.json with the best measured num_assistant_tokens, README.md (model card with the
-measured figures, hardware, prompts, recipe and HF / vLLM / SGLang usage), draftsmith_eval.json and
-resolved_recipe.yaml. Uploads use HF_TOKEN or a saved `hf auth login`. Errors print one line and exit 2.
+The folder (docs/publish.md): merged safetensors with the target's vocab_size, the target's tokenizer files,
+generation_config.json with the best measured num_assistant_tokens, README.md (model card with the figures
+of every engine that measured the draft, in model-index too, hardware, prompts, recipe and HF / vLLM / SGLang
+usage), draftsmith_eval.json and resolved_recipe.yaml; local paths appear only as base names. Uploads use
+HF_TOKEN or a saved `hf auth login`. Errors print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--revision", default=None, help="branch to push to (created if missing); default main")
     p.add_argument("--dry-run", metavar="OUT_DIR", default=None, help="write the folder here, upload nothing")
     p.add_argument("--commit-message", default=None, help="commit message on the Hub")
+    p.add_argument("--license", default=None, help="license id for the card (default: the base draft's)")
+    p.add_argument(
+        "--no-remeasure",
+        action="store_true",
+        help="QLoRA: publish the training-time (4-bit) figures with a note instead of re-measuring the merged draft",
+    )
     return p.parse_args(argv)
 
 
@@ -49,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             revision=args.revision,
             dry_run_dir=args.dry_run,
             commit_message=args.commit_message,
+            remeasure=not args.no_remeasure,
+            license=args.license,
         )
     except PublishError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,279 @@
+"""The published draft's model card (README.md), rendered with huggingface_hub's `ModelCard`.
+
+The metadata block (base_model, license, datasets, tags, ...) and the measured figures as `model-index`
+evaluation results come from `ModelCardData` / `EvalResult`, so the Hub reads them; the body states the same
+figures for people, per measuring engine, with the launch lines for Transformers, vLLM and SGLang.
+
+`info` is the content of draftsmith_eval.json (built by distill.publish, already free of local paths):
+target, base_model, repo figures (`best`, `base`, `engines`), gamma, hardware, prompts, notes, ...
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from distill.hub import is_hub_id
+
+TAGS = ["speculative-decoding", "draft-model", "draftsmith"]
+ENGINE_NAMES = {"draftsmith": "draftsmith's speculative decoder (`python -m decode bench`)", "vllm": "vLLM"}
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int | float):
+        return spec.format(value)
+    return str(value)
+
+
+def _speedup(value: Any, ci: Any = None) -> str:
+    text = _fmt(value, "{:.2f}x")
+    if isinstance(ci, list | tuple) and len(ci) == 2 and all(isinstance(x, int | float) for x in ci):
+        text += f" (95% CI {ci[0]:.2f}-{ci[1]:.2f}x)"
+    return text
+
+
+def engine_of(ev: dict) -> str:
+    """The engine that measured a bench JSON ("draftsmith" when it does not say)."""
+    return str(ev.get("engine") or "draftsmith")
+
+
+def _rows(ev: dict) -> list[tuple[str, str]]:
+    """(label, formatted value) for one bench JSON: the card's table column."""
+    tps, sp = ev.get("tokens_per_s") or {}, ev.get("speedup") or {}
+    return [
+        ("acceptance rate (accepted / drafted tokens)", _fmt(ev.get("acceptance_rate"), "{:.3f}")),
+        ("τ, mean accepted length (tokens per target pass)", _fmt(ev.get("mean_accepted_length"), "{:.2f}")),
+        ("speedup vs target-only decoding", _speedup(sp.get("vs_target"), sp.get("vs_target_ci95"))),
+        ("speedup vs HF assisted generation (transformers defaults)", _fmt(sp.get("vs_hf_assisted"), "{:.2f}x")),
+        (
+            "speedup vs HF assisted generation (this card's generation_config)",
+            _fmt(sp.get("vs_hf_assisted_published"), "{:.2f}x"),
+        ),
+        ("… with HF on draftsmith's CPU kernels", _fmt(sp.get("vs_hf_assisted_same_kernels"), "{:.2f}x")),
+        ("tokens/s: speculative", _fmt(tps.get("speculative"), "{:.1f}")),
+        ("tokens/s: target only", _fmt(tps.get("target"), "{:.1f}")),
+        ("tokens/s: HF assisted generation (transformers defaults)", _fmt(tps.get("hf_assisted"), "{:.1f}")),
+        (
+            "tokens/s: HF assisted generation (this card's generation_config)",
+            _fmt(tps.get("hf_assisted_published"), "{:.1f}"),
+        ),
+        ("γ, draft tokens per round", _fmt(ev.get("num_draft_tokens"), "{}")),
+        ("draft cost ratio c", _fmt(ev.get("draft_cost_ratio"), "{:.3f}")),
+        ("theoretical speedup (forward times only)", _fmt(ev.get("theoretical_speedup"), "{:.2f}x")),
+        ("outputs match the target's (greedy)", _fmt(ev.get("outputs_match_target"), "{}")),
+    ]
+
+
+def _table(columns: list[tuple[str, dict]]) -> list[str]:
+    """A markdown table: one column per (header, bench JSON); rows every column leaves n/a are dropped."""
+    rows = [_rows(ev) for _, ev in columns]
+    lines = ["| | " + " | ".join(h for h, _ in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for i, (label, _) in enumerate(rows[0]):
+        values = [col[i][1] for col in rows]
+        if any(v != "n/a" for v in values):
+            lines.append(f"| {label} | " + " | ".join(values) + " |")
+    return lines
+
+
+# ---------------------------------------------------------------- metadata
+
+
+def eval_results(info: dict) -> list[EvalResult]:
+    """The measured figures of every engine as `EvalResult`s (the card's machine-readable model-index)."""
+    prompts = str(info.get("prompts") or "not recorded")
+    dataset = {
+        "task_type": "text-generation",
+        "task_name": "speculative decoding",
+        "dataset_type": prompts if is_hub_id(prompts) and not prompts.endswith((".jsonl", ".json")) else "local",
+        "dataset_name": prompts,
+    }
+    results = []
+    for ev in [info["best"], *(info.get("engines") or {}).values()]:
+        engine = engine_of(ev)
+        tps, sp = ev.get("tokens_per_s") or {}, ev.get("speedup") or {}
+        figures = [
+            ("speedup", f"speedup vs target-only ({engine})", sp.get("vs_target")),
+            ("acceptance_rate", f"acceptance rate ({engine})", ev.get("acceptance_rate")),
+            ("mean_accepted_length", f"mean accepted length ({engine})", ev.get("mean_accepted_length")),
+            ("tokens_per_second", f"tokens/s with the draft ({engine})", tps.get("speculative")),
+            ("tokens_per_second", f"tokens/s target only ({engine})", tps.get("target")),
+            ("tokens_per_second", "tokens/s HF assisted generation (transformers defaults)", tps.get("hf_assisted")),
+            (
+                "tokens_per_second",
+                "tokens/s HF assisted generation (published generation_config)",
+                tps.get("hf_assisted_published"),
+            ),
+        ]
+        for metric_type, name, value in figures:
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                results.append(
+                    EvalResult(
+                        **dataset, metric_type=metric_type, metric_name=name, metric_value=round(float(value), 4),
+                        metric_config=engine,
+                    )
+                )  # fmt: skip
+    return results
+
+
+def card_data(info: dict, repo_id: str) -> ModelCardData:
+    """The card's metadata: Hub fields, the target the draft was made for, and the figures as eval_results."""
+    extra: dict[str, Any] = {"target_model": info["target"]}
+    # publish records the base's Hub id apart: its public name alone ("draft") could be a Hub id or a folder.
+    base = info["base_model_hub_id"] if "base_model_hub_id" in info else info.get("base_model")
+    if is_hub_id(base):
+        extra["base_model_relation"] = "finetune"
+    return ModelCardData(
+        base_model=base if is_hub_id(base) else None,
+        license=info.get("license") or None,
+        datasets=list(info.get("datasets") or []) or None,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=list(TAGS),
+        model_name=repo_id.split("/")[-1],
+        eval_results=eval_results(info) or None,
+        **extra,
+    )
+
+
+# ---------------------------------------------------------------- body
+
+
+def _figures(info: dict) -> list[str]:
+    best, base = info["best"], info.get("base")
+    step = f"step {info['best_step']}" if info.get("best_step") is not None else info["checkpoint"]
+    engine = engine_of(best)
+    lines = [
+        "## Measured speedup",
+        "",
+        f"Target: `{info['target']}`. Measured by {ENGINE_NAMES.get(engine, engine)} on held-out prompts, "
+        "warm-up first, methods interleaved prompt by prompt, median of repeats.",
+        "",
+    ]
+    columns = [("base draft", base)] if base else []
+    lines += _table([*columns, (f"this draft ({step})", best)])
+    ppa = best.get("per_position_acceptance") or []
+    lines += [
+        "",
+        f"- per-position acceptance (draft token 1, 2, ...): {', '.join(f'{p:.3f}' for p in ppa) or 'n/a'}",
+        f"- temperature: {best['temperature']}; new tokens per prompt: {best['new_tokens']}; "
+        f"prompts: {best.get('n_prompts', 'n/a')}; batch size: {best.get('batch_size', 'n/a')}",
+        f"- prompts file: {info['prompts']}",
+        f"- hardware: {info['hardware']}",
+        f"- `generation_config.json` sets `num_assistant_tokens: {info['num_assistant_tokens']}` (the measured γ), "
+        "constant, no early stop",
+    ]
+    settings = best.get("hf_assisted_settings")
+    if isinstance(settings, dict):
+        for which in ("defaults", "published"):
+            if isinstance(settings.get(which), dict):
+                lines.append(f"- HF assisted generation settings ({which}): `{json.dumps(settings[which])}`")
+    lines += [f"- note: {note}" for note in info.get("notes", [])]
+    for engine_name, ev in (info.get("engines") or {}).items():
+        lines += ["", f"### {ENGINE_NAMES.get(engine_name, engine_name)}", ""]
+        version = ev.get("engine_version")
+        lines += [
+            f"The same draft measured by {engine_name}{f' {version}' if version else ''} "
+            f"(temperature {ev.get('temperature')}, {ev.get('new_tokens')} new tokens, "
+            f"{ev.get('n_prompts', 'n/a')} prompts, hardware: {ev.get('hardware') or 'not recorded'}):",
+            "",
+        ]
+        lines += _table([("this draft", ev)])
+    if info.get("checkpoints"):
+        lines += ["", "Evaluations during training:", "", "| step | speedup vs target | acceptance rate | loss |"]
+        lines.append("|---|---|---|---|")
+        for c in info["checkpoints"]:
+            lines.append(
+                f"| {c.get('step')} | {_fmt(c.get('speedup'), '{:.2f}x')} | "
+                f"{_fmt(c.get('acceptance_rate'), '{:.3f}')} | {_fmt(c.get('loss'), '{:.4f}')} |"
+            )
+    return lines
+
+
+def vllm_spec(repo_id: str, gamma: int) -> str:
+    """vLLM's `--speculative-config` for a plain draft model (method draft_model, gamma tokens per round)."""
+    return json.dumps({"method": "draft_model", "model": repo_id, "num_speculative_tokens": gamma})
+
+
+def _usage(target: str, repo_id: str, gamma: int) -> list[str]:
+    spec = vllm_spec(repo_id, gamma)
+    return [
+        "## Usage",
+        "",
+        "Transformers (assisted generation; the draft's `generation_config.json` carries the measured γ):",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
+        f'target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto", device_map="auto")',
+        f'draft = AutoModelForCausalLM.from_pretrained("{repo_id}", dtype="auto", device_map="auto")',
+        'inputs = tokenizer("The key idea of speculative decoding is", return_tensors="pt").to(target.device)',
+        "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128, do_sample=False)",
+        "print(tokenizer.decode(out[0], skip_special_tokens=True))",
+        "```",
+        "",
+        "vLLM:",
+        "",
+        "```bash",
+        f"vllm serve {target} --speculative-config '{spec}'",
+        "```",
+        "",
+        "```python",
+        "from vllm import LLM, SamplingParams",
+        "",
+        f'llm = LLM(model="{target}", speculative_config={spec})',
+        "params = SamplingParams(temperature=0, max_tokens=128)",
+        'print(llm.generate(["The key idea of speculative decoding is"], params)[0].outputs[0].text)',
+        "```",
+        "",
+        "SGLang:",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {target} \\",
+        f"    --speculative-algorithm STANDALONE --speculative-draft-model-path {repo_id} \\",
+        f"    --speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}",
+        "```",
+        "",
+    ]
+
+
+def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) -> str:
+    """README.md for the published draft, rendered from `info` (the content of draftsmith_eval.json)."""
+    best, target, gamma = info["best"], info["target"], info["num_assistant_tokens"]
+    lines = [
+        f"# {repo_id.split('/')[-1]}",
+        "",
+        f"A draft model for speculative decoding with **{target}** as the target, trained from "
+        f"**{info['base_model']}** with draftsmith ({info['method']}). Speculative decoding "
+        "is lossless: the text is the target's own; the draft only makes it come out faster.",
+        "",
+    ]
+    lines += _figures(info)
+    lines += [""] + _usage(target, repo_id, gamma)
+    prompts_file = info["prompts"] if str(info["prompts"]).endswith(".jsonl") else "PROMPTS.jsonl"
+    lines += [
+        "## Reproduce",
+        "",
+        "Train (the recipe below is also in this repo as `resolved_recipe.yaml`) and measure:",
+        "",
+        "```bash",
+        "accelerate launch train/distill.py --recipe resolved_recipe.yaml",
+        f"python -m decode bench --target {target} --draft {repo_id} --prompts {prompts_file} "
+        f"--num-draft-tokens {best['num_draft_tokens']} --temperature {best['temperature']} "
+        f"--max-new-tokens {best['new_tokens']}",
+        "```",
+        "",
+    ]
+    if recipe_text:
+        lines += ["Recipe:", "", "```yaml", recipe_text.rstrip(), "```", ""]
+    else:
+        lines += ["The recipe was not found beside the checkpoint.", ""]
+    lines += ["The figures above are in `draftsmith_eval.json` in this repo, machine-readable.", ""]
+    content = f"---\n{card_data(info, repo_id).to_yaml()}\n---\n\n" + "\n".join(lines)
+    return str(ModelCard(content))

@@ -1,0 +1,174 @@
+"""The draft's files in a publish folder: merged weights, the target's vocabulary size, generation config, tokenizer.
+
+Used by distill.publish; each function works on a loaded model or a folder and knows nothing of the Hub.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from distill.hub import PublishError, first_line
+
+if TYPE_CHECKING:
+    from distill.publish import PublishSource
+
+log = logging.getLogger("draftsmith.publish")
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's content; PublishError (one line) when it cannot be read."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PublishError(f"cannot read {path}: {e}") from None
+
+
+def recipe_get(recipe: dict, dotted: str, default: Any = None) -> Any:
+    """recipe["a"]["b"] for "a.b"; `default` when missing or empty."""
+    node: Any = recipe
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return default if node in (None, "") else node
+
+
+def load_merged_draft(src: PublishSource):
+    """The draft as a plain transformers model: a LoRA adapter is merged into its base (in fp32, then cast back).
+
+    Returns (model, base_id): base_id is the model the draft was fine-tuned from.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    trust = bool(recipe_get(src.recipe, "draft.trust_remote_code", False))
+    adapter_file = src.model_dir / "adapter_config.json"
+    if not adapter_file.is_file():
+        model = AutoModelForCausalLM.from_pretrained(src.model_dir, dtype="auto", trust_remote_code=trust)
+        return model, recipe_get(src.recipe, "draft.model") or src.eval.get("draft")
+    from peft import PeftModel
+
+    adapter = read_json(adapter_file)
+    base_id = adapter.get("base_model_name_or_path") or recipe_get(src.recipe, "draft.model")
+    if not base_id:
+        raise PublishError(f"{adapter_file} names no base model and no recipe was found: cannot merge the LoRA")
+    revision = recipe_get(src.recipe, "draft.revision") if base_id == recipe_get(src.recipe, "draft.model") else None
+    try:
+        base = AutoModelForCausalLM.from_pretrained(base_id, dtype="auto", revision=revision, trust_remote_code=trust)
+    except OSError as e:
+        raise PublishError(f"cannot load the LoRA's base model {base_id!r}: {first_line(e)}") from None
+    dtype = base.dtype
+    # Merge in fp32: W + (alpha / r) * B @ A rounded once, not at every bf16 step.
+    merged = PeftModel.from_pretrained(base.to(torch.float32), src.model_dir).merge_and_unload()
+    return merged.to(dtype), base_id
+
+
+def declared_dtype(model_id: str | None, trust_remote_code: bool = False) -> str | None:
+    """The dtype a model's config.json declares ('bfloat16', ...), or None when its config cannot be read."""
+    if not model_id:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        dtype = getattr(AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code), "dtype", None)
+    except Exception:  # noqa: BLE001 - offline / gated: keep the weights as they are
+        return None
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
+
+
+def match_vocab(model, target_vocab: int) -> tuple[int, int]:
+    """Resize the draft's embeddings (and untied lm_head) to the target's vocabulary size.
+
+    Padded rows are the mean of the existing rows: the padded ids never come out of the tokenizer, and an
+    lm_head row equal to the mean row gives the mean logit, which can never be the draft's greedy choice.
+    Rows beyond the target's vocabulary are dropped (the target's tokenizer never produces them).
+    Returns (old, new) vocab sizes.
+    """
+    import torch
+
+    old = model.get_input_embeddings().weight.shape[0]
+    if old != target_vocab:
+        model.resize_token_embeddings(target_vocab, mean_resizing=False)
+        if target_vocab > old:
+            with torch.no_grad():
+                emb = model.get_input_embeddings().weight
+                emb[old:] = emb[:old].mean(0)
+                head = model.get_output_embeddings()
+                if head is not None and head.weight.data_ptr() != emb.data_ptr():
+                    head.weight[old:] = head.weight[:old].mean(0)
+                if head is not None and getattr(head, "bias", None) is not None:
+                    head.bias[old:] = head.bias[:old].mean()
+    model.config.get_text_config().vocab_size = target_vocab
+    return old, target_vocab
+
+
+def generation_config_for(model, target_gen, num_assistant_tokens: int):
+    """The draft's generation config with the target's special tokens and the best measured gamma."""
+    gen = model.generation_config
+    if target_gen is not None:
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(target_gen, key, None) is not None:
+                setattr(gen, key, getattr(target_gen, key))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(gen, key, None) is None and getattr(model.config, key, None) is not None:
+            setattr(gen, key, getattr(model.config, key))
+    # HF assisted generation reads these from the assistant's generation config (its default gamma is 20). The
+    # figures were measured with a constant gamma; HF's default confidence threshold (0.4) would end drafts early
+    # and change it, so 0 turns that off: the published draft runs as measured.
+    gen.num_assistant_tokens = num_assistant_tokens
+    gen.num_assistant_tokens_schedule = "constant"
+    gen.assistant_confidence_threshold = 0.0
+    gen._from_model_config = False  # edited on purpose: transformers must not regenerate it from config.json
+    return gen
+
+
+def best_gamma(ev: dict) -> int:
+    """The gamma measured in the eval: num_draft_tokens, or the mean gamma used when it was 'auto'."""
+    g = ev.get("num_draft_tokens")
+    if isinstance(g, int) and not isinstance(g, bool) and g > 0:
+        return g
+    return max(1, round(float(ev.get("mean_num_draft_tokens") or 1)))
+
+
+def copy_tokenizer(target: str, src: PublishSource, dest: Path, trust: bool, notes: list[str]) -> str:
+    """The target's tokenizer files into dest; falls back to the draft's (with a note). Returns "target" or "draft"."""
+    if Path(target).is_dir() and any((Path(target) / f).is_file() for f in TOKENIZER_FILES):
+        for f in TOKENIZER_FILES:
+            if (Path(target) / f).is_file():
+                shutil.copy2(Path(target) / f, dest / f)
+        return "target"
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(target, trust_remote_code=trust).save_pretrained(dest)
+        return "target"
+    except Exception as e:  # noqa: BLE001 - offline, gated, missing: all mean "fall back to the draft's"
+        reason = first_line(e)
+    for d in (src.model_dir, src.model_dir.parent, src.model_dir.parent.parent):
+        if any((d / f).is_file() for f in TOKENIZER_FILES[:2]):
+            for f in TOKENIZER_FILES:
+                if (d / f).is_file():
+                    shutil.copy2(d / f, dest / f)
+            notes.append(f"tokenizer files copied from the draft: the target's ({target}) could not be loaded")
+            log.warning(f"{notes[-1]} ({reason})")
+            return "draft"
+    raise PublishError(f"no tokenizer: the target's ({target}) could not be loaded ({reason}) and the draft has none")
