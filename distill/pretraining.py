@@ -12,7 +12,6 @@ recipes/pretrain/quickstart-{target,draft}.yaml under ``~/.cache/draftsmith/quic
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import math
 import os
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from distill.checkpoints import replace_dir
 from distill.config import (
     ArchConfig,
     PretrainRecipe,
@@ -36,6 +36,7 @@ from distill.config import (
     to_dict,
 )
 from distill.corpus import Corpus, PackedChunks, eval_windows, load_corpus, load_tokenizer, pack, train_tokenizer
+from distill.tracking import tracker_setup
 
 MIN_LR_RATIO = 0.1  # the cosine ends at 10% of the peak learning rate
 VOCAB_MULTIPLE = 64  # a vocabulary sized to the tokenizer is rounded up to this (matmul-friendly)
@@ -179,14 +180,8 @@ def _prepare_output(out: Path) -> Path:
 
 
 def _commit_output(tmp: Path, out: Path) -> None:
-    """Move the finished `tmp` into place, replacing an earlier checkpoint at `out`."""
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
-        out.rename(old / out.name)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
+    """Move the finished `tmp` into place, replacing an earlier checkpoint at `out` (old one aside first)."""
+    replace_dir(tmp, out)
 
 
 def save_checkpoint(model, tokenizer, directory: Path) -> None:
@@ -208,19 +203,6 @@ def verify_checkpoint(directory: Path, model, probe: torch.Tensor) -> float:
     if diff.max().item() > 1e-3:
         raise RuntimeError(f"the saved checkpoint in {directory} does not reproduce the trained model's logits")
     return diff.max().item()
-
-
-def _check_tracker(report_to: str, print_fn) -> None:
-    """Fail early when the tracker is not installed (accelerate would drop it silently); W&B without a key
-    logs offline."""
-    module = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(report_to)
-    if module is None:
-        return
-    if importlib.util.find_spec(module) is None:
-        raise RecipeError(f"log.report_to: {module} is not installed; pip install {module} or set log.report_to=none")
-    if report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
-        os.environ["WANDB_MODE"] = "offline"
-        print_fn("wandb: no WANDB_API_KEY, logging offline to ./wandb (upload later: wandb sync wandb/offline-run-*)")
 
 
 # ---------------------------------------------------------------- the run
@@ -249,10 +231,10 @@ def pretrain(
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     tmp = _prepare_output(out) if state.is_main_process else None
     try:
-        report_to = None if recipe.log.report_to == "none" else recipe.log.report_to
-        accelerator = Accelerator(log_with=report_to, project_dir=str(tmp) if tmp else None)
+        log_with, init_kwargs = tracker_setup(recipe.log, tmp or out, state.is_main_process, final_dir=out)
+        report_to = bool(log_with)
+        accelerator = Accelerator(log_with=log_with or None, project_dir=str(tmp) if tmp else None)
         print_ = accelerator.print
-        _check_tracker(recipe.log.report_to, print_)
         mixed_precision = resolve_mixed_precision(mixed_precision)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision or "no")
         autocast = torch.autocast(accelerator.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
@@ -306,12 +288,7 @@ def pretrain(
         # -- prepare
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         if report_to:
-            run_name = recipe.log.run_name or out.name
-            accelerator.init_trackers(
-                recipe.log.project,
-                config=to_dict(recipe),
-                init_kwargs={"wandb": {"name": run_name}},
-            )
+            accelerator.init_trackers(recipe.log.project, config=to_dict(recipe), init_kwargs=init_kwargs)
         metrics_file = (tmp / "metrics.jsonl").open("w") if tmp else None
 
         # -- loop
