@@ -17,9 +17,11 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -482,6 +484,35 @@ def _exclusive(lock_path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _wait_stopping_on_signal(proc: subprocess.Popen, grace_s: float = 10.0) -> int:
+    """Wait for `proc`; if we are stopped first (SIGTERM, SIGINT, any exception), stop it too.
+
+    SIGTERM would otherwise end this process at once and leave the child training alone; while waiting it is
+    turned into KeyboardInterrupt so that the child is terminated (then killed after `grace_s`) on the way out.
+    """
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # Only where nobody else handles SIGTERM (train/distill.py installs its own, which also raises).
+    own = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if own:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        return proc.wait()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        if own:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _build_in_child(yaml_path: Path, recipe: PretrainRecipe, progress: bool) -> None:
     """Run train/pretrain.py in a fresh single process: isolated from a caller's accelerate state and process
     group (a caller under `accelerate launch` would otherwise pull the build into its DDP group)."""
@@ -493,7 +524,7 @@ def _build_in_child(yaml_path: Path, recipe: PretrainRecipe, progress: bool) -> 
     if not progress:
         cmd.append("--no-progress")
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV and not k.startswith(_LAUNCHER_PREFIXES)}
-    rc = subprocess.call(cmd, env=env)
+    rc = _wait_stopping_on_signal(subprocess.Popen(cmd, env=env))
     if rc != 0:
         message = f"building {recipe.output_dir} failed (exit status {rc}, error above); command: {shlex.join(cmd)}"
         raise (RecipeError if rc == 2 else RuntimeError)(message)
