@@ -205,6 +205,29 @@ def test_kill_and_resume_matches_uninterrupted(assets, full_run, tmp_path):
     assert [c["loss"] for c in mine["checkpoints"]] == pytest.approx([c["loss"] for c in ref["checkpoints"]])
 
 
+def test_bench_worker_observes_training_through_on_step(assets, tmp_path):
+    # bench/trl_gkd_vs_draftsmith.py's draftsmith side: train/distill.py's main with the on_step hook
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path, recipe_dict(assets, out, eval={"every": 100, "num_prompts": 1}))
+    spec = {"argv": ["--recipe", str(recipe), "train.max_steps=2", "log.report_to=none"], "output_dir": str(out)}
+    spec["threads"] = 1
+    bench = str(REPO / "bench" / "trl_gkd_vs_draftsmith.py")
+    proc = subprocess.run(
+        [sys.executable, bench, "--worker", "draftsmith", "--spec", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = json.loads((out / "bench_stats.json").read_text())
+    assert stats["steps"] == 2 and stats["micro_batches"] == 2
+    assert stats["tokens"] > 2 * 4 * 12  # 2 steps x 4 prompts x (prompt + 12 new tokens)
+    report = json.loads((out / "report.json").read_text())
+    assert 0 < stats["train_s"] == pytest.approx(report["train_minutes"] * 60, rel=0.05)
+
+
 def error_line(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
