@@ -153,6 +153,17 @@ def replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def recover_replace(dst: Path) -> bool:
+    """Undo a `replace_dir` killed between its two renames: put the old `dst` (complete, set aside) back.
+    Call before `clean_temporaries`, which would delete it. True when something was put back."""
+    dst = Path(dst)
+    aside = sorted(dst.parent.glob(f"{TMP_PREFIX}old-{dst.name}-*")) if dst.parent.is_dir() else []
+    if dst.exists() or not aside:
+        return False
+    os.replace(aside[-1], dst)
+    return True
+
+
 def fsync_dir(directory: Path) -> None:
     """Make a rename in `directory` durable (a crash after os.replace may otherwise lose it)."""
     try:

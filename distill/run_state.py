@@ -16,9 +16,11 @@ from distill.checkpoints import (
     CheckpointInfo,
     DiskFullError,
     atomic_dir,
+    clean_temporaries,
     disk_error_message,
     newest_checkpoint,
     prune_checkpoints,
+    recover_replace,
     replace_dir,
     select_best,
     steps_to_keep,
@@ -85,6 +87,14 @@ class RunState:
         self.history: list[dict] = []  # CheckpointInfo.as_dict() rows, one per evaluated step
         self.train_s = 0.0  # training wall-clock seconds so far (evaluation and saving excluded)
 
+    # ---- start
+
+    def clean_temporaries(self) -> None:
+        """Remove what an interrupted earlier run left half-written, restoring a best/ it was replacing."""
+        recover_replace(self.out / "best")
+        clean_temporaries(self.out)
+        clean_temporaries(self.ckpt_root)
+
     # ---- resume
 
     def restore(self) -> tuple[int, Path] | None:
@@ -143,7 +153,7 @@ class RunState:
     # ---- the end
 
     def report(self, checksums: list[float], world: int) -> dict:
-        """report.json's content (DESIGN.md): base and best evaluations, every checkpoint's figures."""
+        """report.json's content: base and best evaluations, every checkpoint's figures."""
         best = select_best(self.infos())
         return {
             "base": json.loads((self.out / "base_eval.json").read_text()),

@@ -1,6 +1,6 @@
 """Building blocks of train/distill.py: trackers, optimizer, data order, evaluation, checkpoint export.
 
-The entry script keeps the loop itself in view (STYLE.md #3/#4); everything here is a small helper it calls.
+The entry script keeps the loop itself in view; everything here is a small helper it calls.
 """
 
 from __future__ import annotations

@@ -130,6 +130,17 @@ def test_replace_dir_swaps_whole_directories(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
 
 
+def test_a_replace_killed_between_its_renames_keeps_the_old_best(tmp_path):
+    state = RunState(tmp_path, Recipe())
+    aside = tmp_path / ".tmp-old-best-123"  # the old best/, renamed aside; the new one never arrived
+    aside.mkdir()
+    (aside / "model.safetensors").write_text("old weights")
+    (tmp_path / ".tmp-best-123").mkdir()  # the new one, half-written
+    state.clean_temporaries()
+    assert (tmp_path / "best" / "model.safetensors").read_text() == "old weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+
+
 # ---------------------------------------------------------------- the training-time budget
 
 

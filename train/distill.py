@@ -11,8 +11,13 @@
     # show the resolved recipe and exit
     python train/distill.py --recipe R.yaml --print-config
 
-Writes under output_dir (DESIGN.md "Distill run directory"): resolved_recipe.yaml, metrics.jsonl,
-checkpoints/step-N/ (draft + eval.json + training state), best/ (merged, loadable), report.json.
+Writes under output_dir: resolved_recipe.yaml, metrics.jsonl, checkpoints/step-N/ (draft + eval.json +
+training state), best/ (merged, loadable), report.json. best/ is the checkpoint with the highest measured
+speedup beyond the timing noise: a later checkpoint replaces it only when the lower end of its 95% speedup
+interval is above best's speedup (within the noise, the higher acceptance rate wins). train.max_minutes counts
+training steps only (not evaluation) and continues across --resume. SIGTERM stops a run like Ctrl-C.
+
+From Python: `main(argv, on_step=callback)` calls `callback(StepReport)` after every optimizer step.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ from tqdm.auto import tqdm  # noqa: E402
 from distill.checkpoints import (  # noqa: E402
     DiskFullError,
     as_disk_error,
-    clean_temporaries,
     newest_checkpoint,
 )
 from distill.config import Recipe, RecipeError, dump_recipe, load_recipe, save_recipe, to_dict  # noqa: E402
@@ -168,7 +172,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     with accelerator.main_process_first():
         resolve_local_artifacts(recipe, args.rebuild, accelerator.is_main_process)
     if accelerator.is_main_process:
-        clean_temporaries(ckpt_root)
+        state.clean_temporaries()
         save_recipe(recipe, out)
     rank, world = accelerator.process_index, accelerator.num_processes
 
@@ -416,7 +420,7 @@ def save_state_only(accelerator, state: RunState, step: int) -> None:
 
 
 def write_report(state: RunState, checksums: list[float], world: int) -> None:
-    """report.json (DESIGN.md), the base-vs-best table and the per-position acceptance plot."""
+    """report.json, the base-vs-best table and the per-position acceptance plot."""
     from distill.checkpoints import write_json_atomic
 
     report = state.report(checksums, world)
