@@ -228,6 +228,48 @@ def test_bench_worker_observes_training_through_on_step(assets, tmp_path):
     assert 0 < stats["train_s"] == pytest.approx(report["train_minutes"] * 60, rel=0.05)
 
 
+def child_pids(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.is_file() else []
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to find the child process")
+def test_sigterm_during_the_quickstart_build_stops_it(assets, tmp_path):
+    recipe = recipe_dict(assets, tmp_path / "run", target={"model": ""}, draft={"model": ""})
+    recipe["build_pair"] = "quickstart"
+    cmd = [sys.executable, SCRIPT, "--recipe", str(write_recipe(tmp_path, recipe))]
+    e = dict(env(), DRAFTSMITH_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e, cwd=REPO)
+    builder = None
+    try:
+        deadline = time.time() + 120
+        while not child_pids(proc.pid):
+            assert proc.poll() is None and time.time() < deadline, "the quickstart build never started"
+            time.sleep(0.05)
+        (builder,) = child_pids(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+        deadline = time.time() + 15
+        while running(builder) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not running(builder), "the pretraining child outlived train/distill.py"
+        assert proc.returncode == 2
+        assert [line for line in stderr.splitlines() if line.startswith("error:")] == [
+            "error: interrupted; resume with --resume"
+        ]
+    finally:
+        for pid in (proc.pid, builder):
+            if pid is not None and running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def error_line(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
