@@ -27,9 +27,10 @@ What "the same" means where the two differ by design:
 * Loss normalisation: TRL's trainer divides by `num_items_in_batch`, counted from the collator's labels
   *before* GKD replaces them with generated ones (0 here, as prompts have no completions); the subclass below
   passes None so that TRL averages over the generated tokens, as draftsmith does.
-* Clocks: draftsmith's is its own `train.max_minutes` Timer (started after loading and the step-0 eval, read
-  after every optimizer step); TRL's a TrainerCallback started at `on_train_begin` (after loading and
-  `Trainer.__init__`) and read after every optimizer step. Each stops after the step that crosses the budget.
+* Clocks: draftsmith's is its own `train.max_minutes` clock (training steps only, reported to the `on_step`
+  hook of train/distill.py's `main` after every optimizer step); TRL's a TrainerCallback started at
+  `on_train_begin` (after loading and `Trainer.__init__`) and read after every optimizer step. Each stops after
+  the step that crosses the budget.
 * Throughput: tokens are the non-padding prompt + completion tokens of every training batch (attention mask
   sum after generation), counted by the same rule on both sides, over each side's measured training clock.
 
@@ -44,7 +45,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import runpy
 import shutil
 import subprocess
 import sys
@@ -169,35 +169,32 @@ def trl_config_kwargs(s: Shared, output_dir: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- workers (one subprocess each)
 
 
-def worker_draftsmith(spec: dict) -> None:
-    """Run train/distill.py unchanged, observing two things: batch tokens and the training clock.
+def load_distill_script() -> Any:
+    """train/distill.py as a module (it is a script, not part of the installed package)."""
+    spec = importlib.util.spec_from_file_location("draftsmith_distill_script", REPO / "train" / "distill.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
 
-    The clock is distill.py's own `Timer` (started after model loading, the step-0 eval and any rollout
-    pregeneration; checked after each optimizer step); we record its reading at the last check.
+
+def worker_draftsmith(spec: dict) -> None:
+    """Run train/distill.py's `main`, observing batch tokens and the training clock through its `on_step` hook.
+
+    The clock is distill.py's own train.max_minutes clock (training steps only: model loading, evaluations
+    and rollout pregeneration are off it); we keep its reading after the last step.
     """
     import torch
 
-    from distill import data, training
-
     torch.set_num_threads(spec["threads"])
     stats = {"tokens": 0, "micro_batches": 0, "train_s": 0.0}
-    collate = data.collate_training
 
-    def counting_collate(pairs: list, *args: Any, **kwargs: Any) -> dict:
-        batch = collate(pairs, *args, **kwargs)
-        stats["tokens"] += int(batch["attention_mask"].sum())
-        stats["micro_batches"] += 1
-        return batch
+    def on_step(report: Any) -> None:
+        stats["tokens"] += report.tokens
+        stats["micro_batches"] += report.micro_batches
+        stats["train_s"] = report.train_s
 
-    class ClockedTimer(training.Timer):
-        def expired(self) -> bool:
-            stats["train_s"] = time.perf_counter() - self.start
-            return super().expired()
-
-    data.collate_training = counting_collate
-    training.Timer = ClockedTimer  # distill.py imports the name when it runs below
-    sys.argv = [str(REPO / "train" / "distill.py"), *spec["argv"]]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    load_distill_script().main(spec["argv"], on_step=on_step)
     ckpt = newest_checkpoint_dir(Path(spec["output_dir"]))
     stats.update(steps=int(ckpt.name.split("-")[1]), final_draft=str(ckpt))
     (Path(spec["output_dir"]) / STATS_FILE).write_text(json.dumps(stats, indent=1))

@@ -1,8 +1,12 @@
-"""Checkpoints: atomic writes, resume from the newest complete one, keep the top-k by measured speedup.
+"""Checkpoints: atomic writes, resume from the newest complete one, keep the best by measured speedup.
 
 A checkpoint directory is written under a temporary name and renamed when complete, so a run killed at any
 moment leaves either a whole `checkpoints/step-N/` or nothing under that name. Temporary leftovers
 (`.tmp-*`) are removed at the next start.
+
+Selection never trusts one noisy timing: each checkpoint carries a 95% interval on its speedup, and a later
+checkpoint replaces the incumbent best only when its interval's lower bound is above the incumbent's speedup
+(see `select_best`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -24,15 +29,56 @@ TMP_PREFIX = ".tmp-"
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What selection needs to know about one evaluated checkpoint."""
+    """What selection needs to know about one evaluated checkpoint.
+
+    `speedup_ci95` is the bench's 95% interval on `speedup` (None when the bench gave none: the interval is
+    then the point value itself).
+    """
 
     step: int
     speedup: float
     acceptance_rate: float
     loss: float | None
+    speedup_ci95: tuple[float, float] | None = None
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        """(lo, hi) of the speedup; (speedup, speedup) without a measured interval."""
+        return tuple(self.speedup_ci95) if self.speedup_ci95 else (self.speedup, self.speedup)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "speedup": self.speedup, "acceptance_rate": self.acceptance_rate, "loss": self.loss}
+        return {
+            "step": self.step,
+            "speedup": self.speedup,
+            "speedup_ci95": list(self.speedup_ci95) if self.speedup_ci95 else None,
+            "acceptance_rate": self.acceptance_rate,
+            "loss": self.loss,
+        }
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> CheckpointInfo:
+        """Inverse of `as_dict` (rows written before intervals were recorded have none)."""
+        ci = row.get("speedup_ci95")
+        return cls(row["step"], row["speedup"], row["acceptance_rate"], row.get("loss"), tuple(ci) if ci else None)
+
+    @classmethod
+    def from_eval(cls, step: int, result: dict[str, Any]) -> CheckpointInfo:
+        """From a bench result (eval.json)."""
+        return cls(
+            step=step,
+            speedup=float(result["speedup"]["vs_target"]),
+            acceptance_rate=float(result["acceptance_rate"]),
+            loss=result.get("train_loss"),
+            speedup_ci95=speedup_ci95(result),
+        )
+
+
+def speedup_ci95(result: dict[str, Any]) -> tuple[float, float] | None:
+    """The bench's 95% interval on the speedup over target-only (`speedup.vs_target_ci95`), or None."""
+    ci = result.get("speedup", {}).get("vs_target_ci95")
+    if not ci or len(ci) != 2 or any(v is None or not math.isfinite(v) for v in ci):
+        return None
+    return (float(ci[0]), float(ci[1]))
 
 
 class DiskFullError(OSError):
@@ -88,23 +134,62 @@ def atomic_dir(final: Path, tmp_name: str | None = None) -> Iterator[Path]:
 
 
 def replace_dir(src: Path, dst: Path) -> None:
-    """Move a complete directory into place, replacing `dst` if it exists (old one removed after the swap)."""
+    """Move the complete directory `src` to `dst`, replacing an existing `dst`.
+
+    Two renames, never a delete first: the old `dst` is renamed aside, `src` renamed in, and only then the old
+    one deleted. At every moment `dst` is either the whole old or the whole new directory, except between the
+    two renames, where the old one is still complete under its `.tmp-old-*` name.
+    """
+    src, dst = Path(src), Path(dst)
     old = None
     if dst.exists():
         old = dst.parent / f"{TMP_PREFIX}old-{dst.name}-{os.getpid()}"
+        if old.exists():
+            shutil.rmtree(old)
         os.replace(dst, old)
     os.replace(src, dst)
+    fsync_dir(dst.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def recover_replace(dst: Path) -> bool:
+    """Undo a `replace_dir` killed between its two renames: put the old `dst` (complete, set aside) back.
+    Call before `clean_temporaries`, which would delete it. True when something was put back."""
+    dst = Path(dst)
+    aside = sorted(dst.parent.glob(f"{TMP_PREFIX}old-{dst.name}-*")) if dst.parent.is_dir() else []
+    if dst.exists() or not aside:
+        return False
+    os.replace(aside[-1], dst)
+    return True
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (a crash after os.replace may otherwise lose it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # platforms that cannot open a directory (Windows) do not need this
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename itself has happened
+    finally:
+        os.close(fd)
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON through a temp file + rename, so readers never see half a file."""
+    """Write JSON through a temp file + fsync + rename (+ fsync of the directory): readers never see half a
+    file, and a power loss never leaves an empty one under the final name."""
     path = Path(path)
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        with open(tmp, "w") as f:
+            f.write(json.dumps(obj, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise DiskFullError(err.errno, disk_error_message(err, path)) from None
@@ -141,21 +226,48 @@ def newest_checkpoint(ckpt_root: Path, require: str = "state") -> tuple[int, Pat
 
 
 def rank_key(info: CheckpointInfo) -> tuple[float, float, int]:
-    """Selection order: measured speedup, then acceptance, then the later step. Never the loss."""
+    """Order for keeping the top-k: measured speedup, then acceptance, then the later step. Never the loss."""
     return (info.speedup, info.acceptance_rate, info.step)
 
 
+def beats(challenger: CheckpointInfo, incumbent: CheckpointInfo) -> bool:
+    """Whether `challenger` should replace `incumbent` as the best checkpoint.
+
+    - clearly faster (its interval's lower bound above the incumbent's speedup): yes;
+    - clearly slower (the incumbent's lower bound above its speedup): no;
+    - otherwise the two are within the timing noise: the higher acceptance rate wins (a property of the
+      tokens, free of timing noise), and on equal acceptance the later step.
+    Without intervals (lo = hi = speedup) this is: higher speedup, then acceptance, then the later step.
+    """
+    if challenger.interval[0] > incumbent.speedup:
+        return True
+    if incumbent.interval[0] > challenger.speedup:
+        return False
+    if challenger.acceptance_rate != incumbent.acceptance_rate:
+        return challenger.acceptance_rate > incumbent.acceptance_rate
+    return challenger.step > incumbent.step
+
+
 def select_best(infos: list[CheckpointInfo]) -> CheckpointInfo:
-    """The checkpoint with the highest measured speedup (ties: acceptance, then the later step)."""
+    """The best checkpoint by measured speedup beyond the noise: walking the checkpoints in step order, each
+    replaces the incumbent only when it `beats` it. Never by the loss."""
     if not infos:
         raise ValueError("no evaluated checkpoints to select from")
-    return max(infos, key=rank_key)
+    ordered = sorted(infos, key=lambda info: info.step)
+    best = ordered[0]
+    for info in ordered[1:]:
+        if beats(info, best):
+            best = info
+    return best
 
 
 def steps_to_keep(infos: list[CheckpointInfo], keep_top_k: int, newest_step: int | None) -> set[int]:
-    """Steps whose directories stay: the top-k by measured speedup, plus the newest (needed to resume)."""
+    """Steps whose directories stay: the selected best, the top-k by measured speedup, and the newest (needed
+    to resume)."""
     ranked = sorted(infos, key=rank_key, reverse=True)[:keep_top_k]
     keep = {info.step for info in ranked}
+    if infos:
+        keep.add(select_best(infos).step)
     if newest_step is not None:
         keep.add(newest_step)
     return keep
@@ -177,13 +289,5 @@ def load_infos(ckpt_root: Path) -> list[CheckpointInfo]:
     for step, path in list_checkpoints(ckpt_root):
         eval_file = path / "eval.json"
         if eval_file.is_file():
-            data = json.loads(eval_file.read_text())
-            infos.append(
-                CheckpointInfo(
-                    step=step,
-                    speedup=float(data["speedup"]["vs_target"]),
-                    acceptance_rate=float(data["acceptance_rate"]),
-                    loss=data.get("train_loss"),
-                )
-            )
+            infos.append(CheckpointInfo.from_eval(step, json.loads(eval_file.read_text())))
     return infos

@@ -12,20 +12,22 @@ recipes/pretrain/quickstart-{target,draft}.yaml under ``~/.cache/draftsmith/quic
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 
+from distill.checkpoints import replace_dir
 from distill.config import (
     ArchConfig,
     PretrainRecipe,
@@ -36,6 +38,7 @@ from distill.config import (
     to_dict,
 )
 from distill.corpus import Corpus, PackedChunks, eval_windows, load_corpus, load_tokenizer, pack, train_tokenizer
+from distill.tracking import tracker_setup
 
 MIN_LR_RATIO = 0.1  # the cosine ends at 10% of the peak learning rate
 VOCAB_MULTIPLE = 64  # a vocabulary sized to the tokenizer is rounded up to this (matmul-friendly)
@@ -179,14 +182,8 @@ def _prepare_output(out: Path) -> Path:
 
 
 def _commit_output(tmp: Path, out: Path) -> None:
-    """Move the finished `tmp` into place, replacing an earlier checkpoint at `out`."""
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
-        out.rename(old / out.name)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
+    """Move the finished `tmp` into place, replacing an earlier checkpoint at `out` (old one aside first)."""
+    replace_dir(tmp, out)
 
 
 def save_checkpoint(model, tokenizer, directory: Path) -> None:
@@ -208,19 +205,6 @@ def verify_checkpoint(directory: Path, model, probe: torch.Tensor) -> float:
     if diff.max().item() > 1e-3:
         raise RuntimeError(f"the saved checkpoint in {directory} does not reproduce the trained model's logits")
     return diff.max().item()
-
-
-def _check_tracker(report_to: str, print_fn) -> None:
-    """Fail early when the tracker is not installed (accelerate would drop it silently); W&B without a key
-    logs offline."""
-    module = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(report_to)
-    if module is None:
-        return
-    if importlib.util.find_spec(module) is None:
-        raise RecipeError(f"log.report_to: {module} is not installed; pip install {module} or set log.report_to=none")
-    if report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
-        os.environ["WANDB_MODE"] = "offline"
-        print_fn("wandb: no WANDB_API_KEY, logging offline to ./wandb (upload later: wandb sync wandb/offline-run-*)")
 
 
 # ---------------------------------------------------------------- the run
@@ -249,10 +233,10 @@ def pretrain(
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     tmp = _prepare_output(out) if state.is_main_process else None
     try:
-        report_to = None if recipe.log.report_to == "none" else recipe.log.report_to
-        accelerator = Accelerator(log_with=report_to, project_dir=str(tmp) if tmp else None)
+        log_with, init_kwargs = tracker_setup(recipe.log, tmp or out, state.is_main_process, final_dir=out)
+        report_to = bool(log_with)
+        accelerator = Accelerator(log_with=log_with or None, project_dir=str(tmp) if tmp else None)
         print_ = accelerator.print
-        _check_tracker(recipe.log.report_to, print_)
         mixed_precision = resolve_mixed_precision(mixed_precision)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision or "no")
         autocast = torch.autocast(accelerator.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
@@ -306,12 +290,7 @@ def pretrain(
         # -- prepare
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         if report_to:
-            run_name = recipe.log.run_name or out.name
-            accelerator.init_trackers(
-                recipe.log.project,
-                config=to_dict(recipe),
-                init_kwargs={"wandb": {"name": run_name}},
-            )
+            accelerator.init_trackers(recipe.log.project, config=to_dict(recipe), init_kwargs=init_kwargs)
         metrics_file = (tmp / "metrics.jsonl").open("w") if tmp else None
 
         # -- loop
@@ -505,6 +484,35 @@ def _exclusive(lock_path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _wait_stopping_on_signal(proc: subprocess.Popen, grace_s: float = 10.0) -> int:
+    """Wait for `proc`; if we are stopped first (SIGTERM, SIGINT, any exception), stop it too.
+
+    SIGTERM would otherwise end this process at once and leave the child training alone; while waiting it is
+    turned into KeyboardInterrupt so that the child is terminated (then killed after `grace_s`) on the way out.
+    """
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # Only where nobody else handles SIGTERM (train/distill.py installs its own, which also raises).
+    own = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if own:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        return proc.wait()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        if own:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _build_in_child(yaml_path: Path, recipe: PretrainRecipe, progress: bool) -> None:
     """Run train/pretrain.py in a fresh single process: isolated from a caller's accelerate state and process
     group (a caller under `accelerate launch` would otherwise pull the build into its DDP group)."""
@@ -516,7 +524,7 @@ def _build_in_child(yaml_path: Path, recipe: PretrainRecipe, progress: bool) -> 
     if not progress:
         cmd.append("--no-progress")
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV and not k.startswith(_LAUNCHER_PREFIXES)}
-    rc = subprocess.call(cmd, env=env)
+    rc = _wait_stopping_on_signal(subprocess.Popen(cmd, env=env))
     if rc != 0:
         message = f"building {recipe.output_dir} failed (exit status {rc}, error above); command: {shlex.join(cmd)}"
         raise (RecipeError if rc == 2 else RuntimeError)(message)

@@ -1,57 +1,28 @@
 """Building blocks of train/distill.py: trackers, optimizer, data order, evaluation, checkpoint export.
 
-The entry script keeps the loop itself in view (the accelerate loop, written out); here are the small helpers it calls.
+The entry script keeps the loop itself in view; everything here is a small helper it calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
 import math
-import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from distill.config import LogConfig, Recipe, TrainConfig
+from distill.checkpoints import speedup_ci95
+from distill.config import Recipe, TrainConfig
+from distill.tracking import tracker_setup, wandb_has_credentials  # noqa: F401 (re-exported)
 
 # ---------------------------------------------------------------- trackers
-
-
-def wandb_has_credentials() -> bool:
-    """True when W&B can log online: an API key in the environment or a saved login (~/.netrc)."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    try:
-        return "api.wandb.ai" in netrc.read_text()
-    except OSError:
-        return False
-
-
-def tracker_setup(log: LogConfig, output_dir: Path, is_main: bool) -> tuple[list[str], dict[str, Any]]:
-    """accelerate's `log_with` and `init_kwargs` for the recipe's tracker.
-
-    With no W&B login, `wandb.init` raises instead of falling back; we switch to offline mode ourselves and
-    say once how to upload the run later.
-    """
-    if log.report_to == "none":
-        return [], {}
-    if log.report_to == "tensorboard":
-        return ["tensorboard"], {}
-    if not os.environ.get("WANDB_MODE") and not wandb_has_credentials():
-        os.environ["WANDB_MODE"] = "offline"
-        if is_main:
-            sync = f"wandb sync {output_dir}/wandb/offline-run-*"
-            print(f"W&B: no login found, logging offline; upload later with `{sync}`")
-    os.environ.setdefault("WANDB_DIR", str(output_dir))
-    os.environ.setdefault("WANDB_SILENT", "true")
-    return ["wandb"], {"wandb": {"name": log.run_name or output_dir.name, "dir": str(output_dir)}}
 
 
 class MetricsLog:
@@ -220,10 +191,14 @@ def _merge_lora_for_eval(draft: torch.nn.Module) -> bool:
 
 def eval_metrics(result: dict, prefix: str = "eval/") -> dict[str, float]:
     """The scalar figures of a bench result, named as logged to W&B and metrics.jsonl."""
+    lo, hi = speedup_ci95(result) or (result["speedup"]["vs_target"],) * 2
     out = {
         f"{prefix}acceptance_rate": result["acceptance_rate"],
         f"{prefix}mean_accepted_length": result["mean_accepted_length"],
         f"{prefix}speedup": result["speedup"]["vs_target"],
+        # the 95% interval on the speedup; the point value on both ends when the bench gave none
+        f"{prefix}speedup_ci95_lo": lo,
+        f"{prefix}speedup_ci95_hi": hi,
         f"{prefix}theoretical_speedup": result["theoretical_speedup"],
         f"{prefix}tokens_per_s": result["tokens_per_s"]["speculative"],
         f"{prefix}target_tokens_per_s": result["tokens_per_s"]["target"],
@@ -326,14 +301,32 @@ def param_checksum(model: torch.nn.Module) -> float:
 
 
 class Timer:
-    """Wall-clock budget for training (train.max_minutes)."""
+    """Training-time budget (train.max_minutes): only the time spent inside `running()` counts, so evaluation
+    and checkpointing do not eat the budget, and `elapsed_s` (saved in a checkpoint) lets a resumed run
+    continue it instead of starting from zero."""
 
-    def __init__(self, max_minutes: float) -> None:
-        self.start = time.perf_counter()
+    def __init__(self, max_minutes: float, elapsed_s: float = 0.0) -> None:
         self.max_s = max_minutes * 60.0
+        self._done_s = elapsed_s
+        self._since: float | None = None
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        self._since = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._done_s += time.perf_counter() - self._since
+            self._since = None
+
+    @property
+    def elapsed_s(self) -> float:
+        """Training seconds so far, including a block still running."""
+        running = time.perf_counter() - self._since if self._since is not None else 0.0
+        return self._done_s + running
 
     def expired(self) -> bool:
-        return self.max_s > 0 and time.perf_counter() - self.start >= self.max_s
+        return self.max_s > 0 and self.elapsed_s >= self.max_s
 
 
 def fail(message: str) -> None:

@@ -11,8 +11,14 @@
     # show the resolved recipe and exit
     python train/distill.py --recipe R.yaml --print-config
 
-Writes under output_dir (docs/run-directory.md): resolved_recipe.yaml, metrics.jsonl,
-checkpoints/step-N/ (draft + eval.json + training state), best/ (merged, loadable), report.json.
+Writes under output_dir (docs/run-directory.md): resolved_recipe.yaml, metrics.jsonl, checkpoints/step-N/
+(draft + eval.json + training state), best/ (merged, loadable), report.json. best/ is the checkpoint with the
+highest measured speedup beyond the timing noise: a later checkpoint replaces it only when the lower end of its
+95% speedup interval is above best's speedup (within the noise, the higher acceptance rate wins).
+train.max_minutes counts training steps only (not evaluation) and continues across --resume. SIGTERM stops a run
+like Ctrl-C.
+
+From Python: `main(argv, on_step=callback)` calls `callback(StepReport)` after every optimizer step.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ import argparse
 import math
 import os
 import shutil
+import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,19 +41,12 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from distill.checkpoints import (  # noqa: E402
-    CheckpointInfo,
     DiskFullError,
     as_disk_error,
-    atomic_dir,
-    clean_temporaries,
-    disk_error_message,
     newest_checkpoint,
-    prune_checkpoints,
-    select_best,
-    steps_to_keep,
-    write_json_atomic,
 )
 from distill.config import Recipe, RecipeError, dump_recipe, load_recipe, save_recipe, to_dict  # noqa: E402
+from distill.run_state import RunState, prepare_output_dir  # noqa: E402
 from distill.training import (  # noqa: E402
     MetricsLog,
     Timer,
@@ -56,7 +58,6 @@ from distill.training import (  # noqa: E402
     param_checksum,
     plot_base_vs_best,
     plot_eval,
-    read_json,
     read_samples,
     step_generator,
     summary_table,
@@ -68,6 +69,17 @@ QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
 class NonFiniteLoss(RuntimeError):
     """The loss became NaN or inf; the message names the step and the last good checkpoint."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What `run(on_step=...)` is told after every optimizer step (on every process, about its own batches)."""
+
+    step: int
+    loss: float  # this process's mean micro-batch loss
+    tokens: int  # non-padding prompt + completion tokens this process trained on in this step
+    micro_batches: int
+    train_s: float  # training wall-clock seconds so far (the train.max_minutes clock)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -84,41 +96,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ---------------------------------------------------------------- setup helpers
 
 
-def prepare_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
-    """Create output_dir, refusing to mix two runs in one directory."""
-    try:
-        if overwrite and out.exists() and not resume:
-            shutil.rmtree(out)
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise DiskFullError(err.errno, disk_error_message(err, out)) from None
-    if not resume and ((out / "checkpoints").exists() or (out / "report.json").exists()):
-        raise RecipeError(
-            f"output_dir {str(out)!r} holds an earlier run: pass --resume to continue it, --overwrite to replace "
-            "it, or set output_dir=... to a new directory"
-        )
-
-
 def resolve_local_artifacts(recipe: Recipe, rebuild: bool, is_main: bool) -> None:
-    """Fill in the quickstart pair and prompt files when the recipe asks for them (build_pair: quickstart)."""
+    """Fill in what the recipe leaves empty with the quickstart assets (build_pair: quickstart), building only
+    what is missing: the pair (minutes) when target.model or draft.model is empty, the prompt files (seconds)
+    when a prompt file is."""
     if recipe.build_pair != "quickstart":
         return
-    from distill.quickstart import ensure_quickstart_assets
+    from distill.pretraining import ensure_quickstart_pair, quickstart_cache_dir
+    from distill.quickstart import ensure_stdlib_prompts
 
-    assets = ensure_quickstart_assets(rebuild=rebuild and is_main, progress=is_main)
-    recipe.target.model = recipe.target.model or str(assets["target"])
-    recipe.draft.model = recipe.draft.model or str(assets["draft"])
-    recipe.data.train_prompts = recipe.data.train_prompts or str(assets["train_prompts"])
-    recipe.data.eval_prompts = recipe.data.eval_prompts or str(assets["eval_prompts"])
+    if rebuild or not (recipe.target.model and recipe.draft.model):
+        target, draft = ensure_quickstart_pair(rebuild=rebuild and is_main, progress=is_main)
+        recipe.target.model = recipe.target.model or str(target)
+        recipe.draft.model = recipe.draft.model or str(draft)
+    if rebuild or not (recipe.data.train_prompts and recipe.data.eval_prompts):
+        train_prompts, eval_prompts = ensure_stdlib_prompts(quickstart_cache_dir(), rebuild=rebuild and is_main)
+        recipe.data.train_prompts = recipe.data.train_prompts or str(train_prompts)
+        recipe.data.eval_prompts = recipe.data.eval_prompts or str(eval_prompts)
+
+
+def raise_on_sigterm() -> None:
+    """SIGTERM (a scheduler's or `kill`'s stop) unwinds like Ctrl-C: temporaries are removed, child
+    processes (a quickstart build) are stopped, and the run can be resumed."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 # ---------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, on_step: Callable[[StepReport], None] | None = None) -> None:
+    """The command line. `on_step` (for benchmarks and tests) is called after every optimizer step."""
     args = parse_args(argv)
     try:
         recipe = load_recipe(args.recipe or QUICKSTART, args.overrides)
@@ -127,23 +138,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.print_config:
         print(dump_recipe(recipe), end="")
         return
+    raise_on_sigterm()
     try:
-        run(recipe, args)
+        run(recipe, args, on_step=on_step)
     except KeyboardInterrupt:
         fail("interrupted; resume with --resume")
     except (RecipeError, ValueError, FileNotFoundError, DiskFullError, NonFiniteLoss) as err:
         fail(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
 
 
-def run(recipe: Recipe, args: argparse.Namespace) -> None:
+def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport], None] | None = None) -> None:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     from distill import data, losses, models, rollouts
 
     # ---- setup
-    out = Path(recipe.output_dir).resolve()
-    ckpt_root = out / "checkpoints"
+    state = RunState(Path(recipe.output_dir).resolve(), recipe)
+    out, ckpt_root = state.out, state.ckpt_root
     is_main = int(os.environ.get("RANK", "0")) == 0
     if is_main:
         prepare_output_dir(out, args.resume, args.overwrite)
@@ -153,12 +165,15 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
         project_dir=str(out),
         gradient_accumulation_steps=recipe.train.grad_accum,
         mixed_precision=recipe.train.mixed_precision,
+        # The loop steps the scheduler once per optimizer step itself: accelerate's default would step it once
+        # per process (num_processes times), ending warm-up and decay early under DDP.
+        step_scheduler_with_optimizer=False,
     )
     set_seed(recipe.train.seed)
     with accelerator.main_process_first():
         resolve_local_artifacts(recipe, args.rebuild, accelerator.is_main_process)
     if accelerator.is_main_process:
-        clean_temporaries(ckpt_root)
+        state.clean_temporaries()
         save_recipe(recipe, out)
     rank, world = accelerator.process_index, accelerator.num_processes
 
@@ -196,19 +211,17 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
     draft, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
     accelerator.init_trackers(recipe.log.project, config=to_dict(recipe), init_kwargs=init_kwargs)
     metrics = MetricsLog(accelerator, out / "metrics.jsonl")
-    history: list[dict] = []
     start_step = 0
     if args.resume:
-        found = newest_checkpoint(ckpt_root)
+        found = state.restore()
         if found is None:
             if accelerator.is_main_process:
                 print(f"--resume: no complete checkpoint in {ckpt_root}, starting from step 0")
         else:
             start_step, path = found
             accelerator.load_state(str(path / "state"))
-            history = read_json(path / "trainer_state.json")["history"]
             if accelerator.is_main_process:
-                print(f"resumed from {path} (step {start_step})")
+                print(f"resumed from {path} (step {start_step}, {state.train_s / 60:.1f} training minutes)")
     source = rollouts.RolloutSource(
         recipe.distill,
         target,
@@ -224,124 +237,80 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
         )
 
     def evaluate_and_save(step: int, loss: float | None) -> None:
-        """Eval on the main process, checkpoint atomically (all ranks write their state), keep top-k."""
-        tmp = ckpt_root / f".tmp-step-{step}"
+        """The checkpoint of `step`: evaluated on the main process, then saved by every process."""
         result = None
         if accelerator.is_main_process:
+            tmp = state.tmp_dir(step)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            result = evaluate_checkpoint(accelerator.unwrap_model(draft), step, loss, tmp)
-        accelerator.wait_for_everyone()
-        try:
-            accelerator.save_state(str(tmp / "state"))
-            if accelerator.is_main_process:
-                finish_checkpoint(accelerator.unwrap_model(draft), step, result, tmp)
-        except Exception as err:
-            shutil.rmtree(tmp, ignore_errors=True)
-            disk = as_disk_error(err, ckpt_root / f"step-{step}")
-            if disk is None:
-                raise
-            raise disk from None
-        accelerator.wait_for_everyone()
-
-    def evaluate_checkpoint(unwrapped: torch.nn.Module, step: int, loss: float | None, tmp: Path) -> dict:
-        from distill.training import evaluate
-
-        result = evaluate(target, unwrapped, tokenizer, eval_rows, recipe, samples_out=tmp / "samples.jsonl")
-        result["train_loss"] = loss
-        result["step"] = step
-        values = eval_metrics(result)
-        metrics.log(values, step=step)
-        plot = plot_eval(result, tmp / "per_position_acceptance.png", step)
-        metrics.log_rich(result, read_samples(tmp / "samples.jsonl", eval_rows), step, plot)
-        tqdm.write(
-            f"eval step {step}: acceptance {result['acceptance_rate']:.3f}  tau {result['mean_accepted_length']:.2f}"
-            f"  speedup {result['speedup']['vs_target']:.2f}x"
-        )
-        return result
-
-    def finish_checkpoint(unwrapped: torch.nn.Module, step: int, result: dict, tmp: Path) -> None:
-        nonlocal history
-        models.save_draft(unwrapped, tmp, tokenizer)
-        write_json_atomic(tmp / "eval.json", result)
-        if step == 0:
-            write_json_atomic(out / "base_eval.json", result)  # step-0 may be pruned; report.json needs it
-        save_recipe(recipe, tmp)
-        history = [h for h in history if h["step"] != step]
-        history.append(
-            CheckpointInfo(
-                step, result["speedup"]["vs_target"], result["acceptance_rate"], result["train_loss"]
-            ).as_dict()
-        )
-        write_json_atomic(tmp / "trainer_state.json", {"step": step, "history": history})
-        final = ckpt_root / f"step-{step}"
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        infos = [CheckpointInfo(**h) for h in history]
-        best = select_best(infos)
-        if best.step == step:
-            export_best(final, out / "best")
-        prune_checkpoints(ckpt_root, steps_to_keep(infos, recipe.eval.keep_top_k, newest_step=step))
+            result = evaluate_checkpoint(
+                accelerator.unwrap_model(draft), target, tokenizer, eval_rows, recipe, tmp / "samples.jsonl"
+            )
+            result.update(train_loss=loss, step=step)
+            log_evaluation(metrics, result, eval_rows, step, tmp)
+        save_checkpoint(accelerator, state, draft, tokenizer, step, result)
 
     # ---- loop
     if start_step == 0:
         evaluate_and_save(0, None)
-    timer = Timer(recipe.train.max_minutes)
+    timer = Timer(recipe.train.max_minutes, elapsed_s=state.train_s)
     draft.train()
-    last_loss: float | None = None
     step = start_step
     with tqdm(
         total=recipe.train.max_steps, initial=start_step, desc="distill", disable=not accelerator.is_main_process
     ) as bar:
         while step < recipe.train.max_steps:
-            t0 = time.perf_counter()
-            gen_s, n_tokens, loss_sum, agree_sum = 0.0, 0, 0.0, 0.0
-            for micro in range(recipe.train.grad_accum):
-                idx = batch_indices(step, micro, recipe.train, len(train_prompts), rank, world)
-                g0 = time.perf_counter()
-                try:
-                    pairs = source.sample(
-                        [train_prompts[i] for i in idx],
-                        accelerator.unwrap_model(draft),
-                        step_generator(recipe.train.seed, step, rank),
+            with timer.running():
+                t0 = time.perf_counter()
+                gen_s, n_tokens, batch_tokens, loss_sum, agree_sum = 0.0, 0, 0, 0.0, 0.0
+                for micro in range(recipe.train.grad_accum):
+                    idx = batch_indices(step, micro, recipe.train, len(train_prompts), rank, world)
+                    g0 = time.perf_counter()
+                    try:
+                        pairs = source.sample(
+                            [train_prompts[i] for i in idx],
+                            accelerator.unwrap_model(draft),
+                            step_generator(recipe.train.seed, step, rank),
+                        )
+                    except RuntimeError:
+                        check_weights_finite(draft, step, ckpt_root)  # diverged weights make sampling fail first
+                        raise
+                    gen_s += time.perf_counter() - g0
+                    batch = data.collate_training(pairs, tokenizer.pad_token_id, device=accelerator.device)
+                    with accelerator.accumulate(draft):
+                        student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                        with torch.no_grad():
+                            teacher = target(
+                                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                            ).logits
+                        loss = losses.distill_loss(
+                            student,
+                            teacher,
+                            batch["loss_mask"],
+                            loss=recipe.distill.loss,
+                            beta=recipe.distill.beta,
+                            temperature=recipe.distill.temperature,
+                            top_k=recipe.distill.top_k,
+                            vocab_size=vocab_size,
+                        )
+                        check_finite(accelerator, loss, step, ckpt_root)
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients and recipe.train.max_grad_norm > 0:
+                            accelerator.clip_grad_norm_(draft.parameters(), recipe.train.max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    n_tokens += int(batch["loss_mask"].sum())
+                    batch_tokens += int(batch["attention_mask"].sum())
+                    loss_sum += float(loss.detach())
+                    agree_sum += float(
+                        losses.top1_agreement(student.detach(), teacher, batch["loss_mask"], vocab_size=vocab_size)
                     )
-                except RuntimeError:
-                    check_weights_finite(draft, step, ckpt_root)  # diverged weights make sampling fail first
-                    raise
-                gen_s += time.perf_counter() - g0
-                batch = data.collate_training(pairs, tokenizer.pad_token_id, device=accelerator.device)
-                with accelerator.accumulate(draft):
-                    student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                    with torch.no_grad():
-                        teacher = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                    loss = losses.distill_loss(
-                        student,
-                        teacher,
-                        batch["loss_mask"],
-                        loss=recipe.distill.loss,
-                        beta=recipe.distill.beta,
-                        temperature=recipe.distill.temperature,
-                        top_k=recipe.distill.top_k,
-                        vocab_size=vocab_size,
-                    )
-                    check_finite(accelerator, loss, step, ckpt_root)
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients and recipe.train.max_grad_norm > 0:
-                        accelerator.clip_grad_norm_(draft.parameters(), recipe.train.max_grad_norm)
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad()
-                n_tokens += int(batch["loss_mask"].sum())
-                loss_sum += float(loss.detach())
-                agree_sum += float(
-                    losses.top1_agreement(student.detach(), teacher, batch["loss_mask"], vocab_size=vocab_size)
-                )
-            step += 1
+                scheduler.step()  # once per optimizer step, on every process alike
+                step += 1
+                elapsed = time.perf_counter() - t0
+                last_loss = loss_sum / recipe.train.grad_accum
+                tokens = int(accelerator.gather(torch.tensor([n_tokens], device=accelerator.device)).sum())
             bar.update(1)
-            elapsed = time.perf_counter() - t0
-            last_loss = loss_sum / recipe.train.grad_accum
-            tokens = int(accelerator.gather(torch.tensor([n_tokens], device=accelerator.device)).sum())
             if step % recipe.log.every == 0 or step == recipe.train.max_steps:
                 metrics.log(
                     {
@@ -356,11 +325,14 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
                     step=step,
                 )
             bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tokens / elapsed:.0f}")
+            if on_step is not None:
+                on_step(StepReport(step, last_loss, batch_tokens, recipe.train.grad_accum, timer.elapsed_s))
             out_of_time = time_is_up(accelerator, timer)
+            state.train_s = timer.elapsed_s
             if step % recipe.eval.every == 0 or step == recipe.train.max_steps or out_of_time:
                 evaluate_and_save(step, last_loss)
             elif recipe.train.save_every and step % recipe.train.save_every == 0:
-                save_state_only(accelerator, ckpt_root, step, history)
+                save_state_only(accelerator, state, step)
             if out_of_time:
                 if accelerator.is_main_process:
                     tqdm.write(f"train.max_minutes={recipe.train.max_minutes} reached at step {step}")
@@ -371,7 +343,7 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
         torch.tensor([param_checksum(draft)], dtype=torch.float64, device="cpu").to(accelerator.device)
     )
     if accelerator.is_main_process:
-        write_report(out, ckpt_root, history, checksums.tolist(), world)
+        write_report(state, checksums.tolist(), world)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process and recipe.publish.push_to_hub:
@@ -380,14 +352,83 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
         print(f"published: {publish(out / 'best', recipe.publish.repo_id, private=recipe.publish.private)}")
 
 
-def export_best(checkpoint: Path, best: Path) -> None:
-    """best/ = the winning checkpoint's merged model, tokenizer, eval.json and recipe (no training state)."""
-    with atomic_dir(best) as tmp:
-        for item in checkpoint.iterdir():
-            if item.name in ("state", "trainer_state.json"):
-                continue
-            copy = shutil.copytree if item.is_dir() else shutil.copy2
-            copy(item, tmp / item.name)
+# ---------------------------------------------------------------- checkpoints
+
+
+def evaluate_checkpoint(
+    draft: torch.nn.Module,
+    target: torch.nn.Module,
+    tokenizer,
+    eval_rows: list[dict],
+    recipe: Recipe,
+    samples_out: Path,
+) -> dict:
+    """The bench JSON of the draft as it is now (main process), timed `eval.repeats` times. It carries the
+    95% interval on the speedup (`speedup.vs_target_ci95`, null where the bench cannot give one), which best
+    selection uses to tell progress from timing noise."""
+    from distill.training import evaluate
+
+    result = evaluate(target, draft, tokenizer, eval_rows, recipe, samples_out=samples_out)
+    result["speedup"].setdefault("vs_target_ci95", None)
+    return result
+
+
+def log_evaluation(metrics: MetricsLog, result: dict, eval_rows: list[dict], step: int, directory: Path) -> None:
+    """Log one evaluation (metrics.jsonl, W&B scalars, plot and samples) and print its line."""
+    metrics.log(eval_metrics(result), step=step)
+    plot = plot_eval(result, directory / "per_position_acceptance.png", step)
+    metrics.log_rich(result, read_samples(directory / "samples.jsonl", eval_rows), step, plot)
+    ci = result["speedup"].get("vs_target_ci95")
+    noise = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+    tqdm.write(
+        f"eval step {step}: acceptance {result['acceptance_rate']:.3f}  tau {result['mean_accepted_length']:.2f}"
+        f"  speedup {result['speedup']['vs_target']:.2f}x{noise}"
+    )
+
+
+def save_checkpoint(
+    accelerator, state: RunState, draft: torch.nn.Module, tokenizer, step: int, result: dict | None
+) -> None:
+    """checkpoints/step-N atomically: every process writes its training state into the temporary directory,
+    the main process adds the draft and `result` (its eval.json), renames it into place, updates best/ and
+    keeps the top-k. Collective: every process calls it."""
+    tmp = state.tmp_dir(step)
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp / "state"))
+        if accelerator.is_main_process:
+            state.finish_checkpoint(accelerator.unwrap_model(draft), tokenizer, step, result, tmp)
+    except Exception as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        disk = as_disk_error(err, state.ckpt_root / f"step-{step}")
+        if disk is None:
+            raise
+        raise disk from None
+    accelerator.wait_for_everyone()
+
+
+def save_state_only(accelerator, state: RunState, step: int) -> None:
+    """A resume-only checkpoint (no eval) between evaluations: train.save_every. Collective."""
+    tmp = state.tmp_dir(step)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp / "state"))
+    if accelerator.is_main_process:
+        state.finish_state_only(step, tmp)
+    accelerator.wait_for_everyone()
+
+
+def write_report(state: RunState, checksums: list[float], world: int) -> None:
+    """report.json, the base-vs-best table and the per-position acceptance plot."""
+    from distill.checkpoints import write_json_atomic
+
+    report = state.report(checksums, world)
+    write_json_atomic(state.out / "report.json", report)
+    plot = plot_base_vs_best(report["base"], report["best"], state.out / "acceptance_base_vs_best.png")
+    print("\n" + summary_table(report["base"], report["best"], report["best_step"]))
+    print(f"\nbest draft: {state.out / 'best'}\nreport: {state.out / 'report.json'}\nplot: {plot}")
 
 
 def check_weights_finite(model: torch.nn.Module, step: int, ckpt_root: Path) -> None:
@@ -420,40 +461,6 @@ def time_is_up(accelerator, timer: Timer) -> bool:
     """All ranks stop together when the main process's clock runs out."""
     flag = torch.tensor([1.0 if timer.expired() else 0.0], device=accelerator.device)
     return bool(accelerator.reduce(flag, reduction="sum") > 0) if accelerator.num_processes > 1 else bool(flag)
-
-
-def save_state_only(accelerator, ckpt_root: Path, step: int, history: list[dict]) -> None:
-    """A resume-only checkpoint (no eval) between evaluations: train.save_every."""
-    tmp = ckpt_root / f".tmp-step-{step}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / "state"))
-    if accelerator.is_main_process:
-        write_json_atomic(tmp / "trainer_state.json", {"step": step, "history": history})
-        os.replace(tmp, ckpt_root / f"step-{step}")
-    accelerator.wait_for_everyone()
-
-
-def write_report(out: Path, ckpt_root: Path, history: list[dict], checksums: list[float], world: int) -> None:
-    """report.json (docs/run-directory.md), the base-vs-best table and the per-position acceptance plot."""
-    infos = [CheckpointInfo(**h) for h in history]
-    best = select_best(infos)
-    best_eval = read_json(out / "best" / "eval.json")
-    base_eval = read_json(out / "base_eval.json")
-    report = {
-        "base": base_eval,
-        "best": best_eval,
-        "best_step": best.step,
-        "checkpoints": sorted(history, key=lambda h: h["step"]),
-        "world_size": world,
-        "param_checksums": checksums,
-    }
-    write_json_atomic(out / "report.json", report)
-    plot = plot_base_vs_best(base_eval, best_eval, out / "acceptance_base_vs_best.png")
-    print("\n" + summary_table(base_eval, best_eval, best.step))
-    print(f"\nbest draft: {out / 'best'}\nreport: {out / 'report.json'}\nplot: {plot}")
 
 
 if __name__ == "__main__":

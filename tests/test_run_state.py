@@ -1,0 +1,249 @@
+"""The distill run directory: best selection beyond timing noise, output_dir safety, durable writes, the
+training-time budget across --resume, and building only the missing quickstart assets."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from distill.checkpoints import CheckpointInfo, beats, replace_dir, select_best, steps_to_keep, write_json_atomic
+from distill.config import Recipe, RecipeError
+from distill.run_state import RunState, prepare_output_dir
+from distill.training import Timer, eval_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def info(step: int, speedup: float, ci: tuple[float, float] | None, acceptance: float = 0.5) -> CheckpointInfo:
+    return CheckpointInfo(step, speedup=speedup, acceptance_rate=acceptance, loss=None, speedup_ci95=ci)
+
+
+# ---------------------------------------------------------------- selection
+
+
+def test_a_noisy_higher_speedup_does_not_replace_the_incumbent():
+    base = info(0, 1.20, (1.10, 1.30), acceptance=0.50)
+    noisy = info(10, 1.25, (1.05, 1.45), acceptance=0.45)  # higher point value, interval reaches below 1.20
+    assert not beats(noisy, base)
+    assert select_best([base, noisy]).step == 0
+
+
+def test_a_clear_win_replaces_and_ties_go_to_acceptance():
+    base = info(0, 1.20, (1.15, 1.25), acceptance=0.50)
+    clear = info(10, 1.40, (1.30, 1.50), acceptance=0.40)  # lower bound 1.30 > 1.20
+    assert select_best([base, clear]).step == 10
+    within = info(20, 1.38, (1.20, 1.56), acceptance=0.60)  # within the noise of step 10, higher acceptance
+    assert select_best([base, clear, within]).step == 20
+    worse = info(30, 1.10, (1.05, 1.15), acceptance=0.90)  # incumbent's lower bound 1.20 > 1.10: clearly slower
+    assert select_best([base, clear, within, worse]).step == 20
+    # The order of the list does not matter: checkpoints are walked in step order.
+    assert select_best([worse, within, base, clear]).step == 20
+
+
+def test_without_intervals_selection_is_by_point_speedup():
+    infos = [info(0, 1.1, None), info(5, 1.3, None, 0.4), info(9, 1.3, None, 0.4), info(12, 1.2, None, 0.9)]
+    assert select_best(infos).step == 9
+
+
+def test_the_selected_best_is_always_kept():
+    base = info(0, 1.20, (1.15, 1.25), acceptance=0.50)
+    noisy = [info(s, 1.22, (1.0, 1.44), acceptance=0.40) for s in (10, 20)]  # higher points, all noise
+    assert select_best([base, *noisy]).step == 0
+    assert 0 in steps_to_keep([base, *noisy], keep_top_k=1, newest_step=20)
+
+
+def test_interval_recorded_in_history_report_and_metrics(tmp_path):
+    state = RunState(tmp_path, Recipe())
+    result = {"speedup": {"vs_target": 1.3, "vs_target_ci95": [1.1, 1.5]}, "acceptance_rate": 0.6, "train_loss": 2.0}
+    state.record(4, result)
+    row = {"step": 4, "speedup": 1.3, "speedup_ci95": [1.1, 1.5], "acceptance_rate": 0.6, "loss": 2.0}
+    assert state.history == [row]
+    assert CheckpointInfo.from_dict(state.history[0]).interval == (1.1, 1.5)
+    full = {
+        **result,
+        "mean_accepted_length": 2.0,
+        "theoretical_speedup": 1.5,
+        "tokens_per_s": {"speculative": 10.0, "target": 8.0},
+        "mean_num_draft_tokens": 3.0,
+        "per_position_acceptance": [0.7],
+    }
+    assert (eval_metrics(full)["eval/speedup_ci95_lo"], eval_metrics(full)["eval/speedup_ci95_hi"]) == (1.1, 1.5)
+    full["speedup"] = {"vs_target": 1.3, "vs_target_ci95": None}  # no interval: the point value on both ends
+    assert (eval_metrics(full)["eval/speedup_ci95_lo"], eval_metrics(full)["eval/speedup_ci95_hi"]) == (1.3, 1.3)
+
+
+# ---------------------------------------------------------------- output_dir, durable writes
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path):
+    precious = tmp_path / "thesis"
+    precious.mkdir()
+    (precious / "chapter1.tex").write_text("years of work")
+    with pytest.raises(RecipeError, match="not empty and holds no draftsmith run"):
+        prepare_output_dir(precious, resume=False, overwrite=True)
+    assert (precious / "chapter1.tex").read_text() == "years of work"
+
+
+def test_overwrite_replaces_a_run_dir_or_an_empty_one(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "report.json").write_text("{}")
+    prepare_output_dir(run, resume=False, overwrite=True)
+    assert run.is_dir() and not any(run.iterdir())
+    prepare_output_dir(run, resume=False, overwrite=True)  # empty: fine too
+    with pytest.raises(RecipeError, match="--resume"):
+        (run / "report.json").write_text("{}")
+        prepare_output_dir(run, resume=False, overwrite=False)
+
+
+def test_write_json_atomic_fsyncs_file_and_directory(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}") if Path("/proc/self/fd").is_dir() else str(fd))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    write_json_atomic(tmp_path / "eval.json", {"a": 1})
+    assert json.loads((tmp_path / "eval.json").read_text()) == {"a": 1}
+    assert len(synced) == 2  # the file's data, then the directory holding the rename
+    if Path("/proc/self/fd").is_dir():
+        assert synced[1] == str(tmp_path)
+
+
+def test_replace_dir_swaps_whole_directories(tmp_path):
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "old").write_text("old")
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "model").write_text("new")
+    replace_dir(tmp_path / "new", tmp_path / "best")
+    assert [p.name for p in (tmp_path / "best").iterdir()] == ["model"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+
+
+def test_a_replace_killed_between_its_renames_keeps_the_old_best(tmp_path):
+    state = RunState(tmp_path, Recipe())
+    aside = tmp_path / ".tmp-old-best-123"  # the old best/, renamed aside; the new one never arrived
+    aside.mkdir()
+    (aside / "model.safetensors").write_text("old weights")
+    (tmp_path / ".tmp-best-123").mkdir()  # the new one, half-written
+    state.clean_temporaries()
+    assert (tmp_path / "best" / "model.safetensors").read_text() == "old weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+
+
+# ---------------------------------------------------------------- the training-time budget
+
+
+def test_timer_counts_only_training_blocks_and_continues_a_saved_budget():
+    timer = Timer(max_minutes=1.0)
+    with timer.running():
+        time.sleep(0.05)
+    time.sleep(0.2)  # evaluation, checkpointing: off the clock
+    assert 0.05 <= timer.elapsed_s < 0.2
+    assert not timer.expired()
+    resumed = Timer(max_minutes=1.0, elapsed_s=59.99)
+    with resumed.running():
+        time.sleep(0.02)
+    assert resumed.expired()
+
+
+def test_training_minutes_survive_a_restore(tmp_path):
+    state = RunState(tmp_path, Recipe())
+    state.train_s = 90.0
+    step_dir = state.ckpt_root / "step-3"
+    (step_dir / "state").mkdir(parents=True)
+    write_json_atomic(step_dir / "trainer_state.json", state.trainer_state(3))
+    again = RunState(tmp_path, Recipe())
+    assert again.restore() == (3, step_dir)
+    assert again.train_s == pytest.approx(90.0)
+
+
+# ---------------------------------------------------------------- quickstart assets
+
+
+def load_distill_script():
+    spec = importlib.util.spec_from_file_location("distill_script", REPO / "train" / "distill.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_given_models_and_prompts_build_nothing(tmp_path, monkeypatch):
+    # The cache path is a file: any attempt to build or reuse quickstart assets fails at once.
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(blocker))
+    recipe = Recipe(build_pair="quickstart")
+    recipe.target.model, recipe.draft.model = "my/target", "my/draft"
+    recipe.data.train_prompts, recipe.data.eval_prompts = "train.jsonl", "eval.jsonl"
+    load_distill_script().resolve_local_artifacts(recipe, rebuild=False, is_main=True)
+    assert (recipe.target.model, recipe.data.eval_prompts) == ("my/target", "eval.jsonl")
+
+
+@pytest.mark.slow
+def test_given_models_build_only_the_prompt_files(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    (cache / "quickstart").mkdir(parents=True)
+    (cache / "quickstart" / "target").write_text("a file: building the pair here fails")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(cache))
+    recipe = Recipe(build_pair="quickstart")
+    recipe.target.model, recipe.draft.model = "my/target", "my/draft"
+    load_distill_script().resolve_local_artifacts(recipe, rebuild=False, is_main=True)
+    assert Path(recipe.data.train_prompts).is_file() and Path(recipe.data.eval_prompts).is_file()
+    assert recipe.target.model == "my/target"
+
+
+# ---------------------------------------------------------------- SIGTERM stops the quickstart build
+
+
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.is_file() else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to find the child process")
+def test_sigterm_stops_the_pretraining_child(tmp_path):
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); "
+        "from distill.pretraining import ensure_quickstart_pair; ensure_quickstart_pair(cache_dir=sys.argv[2])"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(REPO), str(tmp_path / "cache")], env=env)
+    child = None
+    try:
+        deadline = time.time() + 60
+        while not children(parent.pid):
+            assert parent.poll() is None and time.time() < deadline, "the build child never started"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the parent is waiting on its child now
+        (child,) = children(parent.pid)
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(timeout=30)
+        deadline = time.time() + 15
+        while alive(child) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not alive(child), "the pretraining child outlived its parent"
+        assert parent.returncode != 0
+    finally:
+        for pid in (parent.pid, child):
+            if pid is not None and alive(pid):
+                os.kill(pid, signal.SIGKILL)
