@@ -88,6 +88,23 @@ def check_engine(
             )
 
 
+def check_launch(recipe: Any, env: Mapping[str, str] = os.environ) -> str | None:
+    """:func:`check_engine` for this launch and recipe; returns the requested engine. Call before anything is
+    written or loaded."""
+    requested = requested_engine(env)
+    stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
+    check_engine(
+        requested,
+        source=recipe.distill.source,
+        quantized=recipe.draft.quantization.enabled,
+        lora=recipe.draft.lora.enabled,
+        cuda=torch.cuda.is_available(),
+        has_deepspeed=requested != "deepspeed" or deepspeed_installed(),
+        zero_stage=int(stage) if stage.isdigit() else None,
+    )
+    return requested
+
+
 def process_group_kwargs(timeout_minutes: float) -> list[Any]:
     """accelerate `kwargs_handlers` setting the process-group timeout: how long a rank waits at a collective
     (the barrier while rank 0 evaluates and saves) before failing instead of hanging."""

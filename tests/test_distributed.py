@@ -8,6 +8,8 @@ Llama, and timeouts everywhere so that a hang fails the test instead of stalling
 from __future__ import annotations
 
 import datetime
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -113,6 +115,80 @@ def test_unsharded_draft_is_rank_0s_own():
     assert full_draft(model, model, is_main=True) is model  # nothing gathered, nothing copied
     assert full_draft(model, model, is_main=False) is None
     assert rollout_draft(model) is model
+
+
+# ---------------------------------------------------------------- train/distill.py
+
+
+def _write_recipe(tmp: Path, **sections) -> Path:
+    from tests.test_distill_e2e import recipe_dict, write_recipe
+    from tests.tiny import make_pair, make_prompts
+
+    target, draft = make_pair(tmp / "pair")
+    assets = {"target": target, "draft": draft}
+    assets["train"], assets["eval"] = make_prompts(tmp / "train.jsonl", 16, seed=1), make_prompts(tmp / "e.jsonl", 3)
+    return write_recipe(tmp, recipe_dict(assets, tmp / "run", **sections))
+
+
+def test_deepspeed_without_the_package_is_refused_before_anything_is_written(tmp_path):
+    if importlib.util.find_spec("deepspeed") is not None:
+        pytest.skip("deepspeed is installed here")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'run'}\n")
+    e = dict(env(), ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="2")
+    script = str(REPO / "train" / "distill.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--recipe", str(recipe)], capture_output=True, text=True, env=e, timeout=120, cwd=REPO
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: the launch config asks for DeepSpeed but the deepspeed package is not installed: "
+        "`pip install deepspeed`, or launch with recipes/accelerate/multi_gpu.yaml"
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_fsdp_config_on_cpu_runs_data_parallel_and_says_so(tmp_path):
+    """accelerate turns the FSDP config into MULTI_CPU under ACCELERATE_USE_CPU=1: the run warns, logs what it
+    really used, and evaluates and saves through the same rank-0 path without hanging."""
+    recipe = _write_recipe(
+        tmp_path,
+        distill={"source": "target"},
+        train={"max_steps": 2, "batch_size": 2},
+        eval={"every": 2},
+        log={"report_to": "none", "every": 1},
+    )
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/fsdp.yaml"]
+    cmd += ["--num_processes", "2", "--mixed_precision", "no", "train/distill.py", "--recipe", str(recipe)]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=dict(env(), ACCELERATE_USE_CPU="1"), timeout=400, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "distributed: MULTI_CPU, 2 processes, every process holds the whole draft" in proc.stdout
+    assert "warning: the launch config asks for FSDP but accelerate runs MULTI_CPU" in proc.stderr
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["distributed"] == {
+        "distributed_type": "MULTI_CPU",
+        "num_processes": 2,
+        "sharded_parameters": False,
+        "requested": "fsdp",
+    }
+    assert (tmp_path / "run" / "best" / "config.json").is_file()
+
+
+def test_fsdp_with_on_policy_rollouts_is_refused(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'run'}\ndistill:\n  source: draft\n")
+    e = dict(env(), ACCELERATE_USE_FSDP="true")
+    script = str(REPO / "train" / "distill.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--recipe", str(recipe)], capture_output=True, text=True, env=e, timeout=120, cwd=REPO
+    )
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: distill.source=draft samples rollouts from the draft") and "source=target" in line
+    assert not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------- refusals and reporting

@@ -139,9 +139,10 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from distill import data, losses, models, rollouts
+    from distill import data, distributed, losses, models, rollouts
 
     # ---- setup
+    distributed.check_launch(recipe)  # DeepSpeed without CUDA, FSDP with on-policy rollouts...: refuse up front
     out = Path(recipe.output_dir).resolve()
     ckpt_root = out / "checkpoints"
     is_main = int(os.environ.get("RANK", "0")) == 0
@@ -153,6 +154,7 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
         project_dir=str(out),
         gradient_accumulation_steps=recipe.train.grad_accum,
         mixed_precision=recipe.train.mixed_precision,
+        kwargs_handlers=distributed.process_group_kwargs(recipe.train.dist_timeout_minutes),
     )
     set_seed(recipe.train.seed)
     with accelerator.main_process_first():
@@ -194,7 +196,11 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
 
     # ---- prepare
     draft, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
-    accelerator.init_trackers(recipe.log.project, config=to_dict(recipe), init_kwargs=init_kwargs)
+    engine = distributed.report_engine(accelerator, accelerator.unwrap_model(draft))
+    rollout_draft = distributed.rollout_draft(accelerator.unwrap_model(draft))  # None: sharded, target alone
+    accelerator.init_trackers(
+        recipe.log.project, config={**to_dict(recipe), "distributed": engine}, init_kwargs=init_kwargs
+    )
     metrics = MetricsLog(accelerator, out / "metrics.jsonl")
     history: list[dict] = []
     start_step = 0
@@ -209,6 +215,7 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
             history = read_json(path / "trainer_state.json")["history"]
             if accelerator.is_main_process:
                 print(f"resumed from {path} (step {start_step})")
+    metrics.log({"distributed": engine}, step=start_step)
     source = rollouts.RolloutSource(
         recipe.distill,
         target,
@@ -219,23 +226,25 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
         num_draft_tokens=recipe.distill.num_draft_tokens,
     )
     if recipe.distill.source in ("target", "mix") and recipe.distill.cache_rollouts:
-        source.pregenerate(
-            train_prompts, accelerator.unwrap_model(draft), accelerator=accelerator, batch_size=recipe.train.batch_size
-        )
+        source.pregenerate(train_prompts, rollout_draft, accelerator=accelerator, batch_size=recipe.train.batch_size)
 
     def evaluate_and_save(step: int, loss: float | None) -> None:
         """Eval on the main process, checkpoint atomically (all ranks write their state), keep top-k."""
         tmp = ckpt_root / f".tmp-step-{step}"
         result = None
+        # all ranks join the gather of a sharded draft; the others then wait (train.dist_timeout_minutes)
+        full = distributed.full_draft(
+            draft, accelerator.unwrap_model(draft), accelerator.is_main_process, accelerator.device
+        )
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            result = evaluate_checkpoint(accelerator.unwrap_model(draft), step, loss, tmp)
+            result = evaluate_checkpoint(full, step, loss, tmp)
         accelerator.wait_for_everyone()
         try:
             accelerator.save_state(str(tmp / "state"))
             if accelerator.is_main_process:
-                finish_checkpoint(accelerator.unwrap_model(draft), step, result, tmp)
+                finish_checkpoint(full, step, result, tmp)
         except Exception as err:
             shutil.rmtree(tmp, ignore_errors=True)
             disk = as_disk_error(err, ckpt_root / f"step-{step}")
@@ -302,9 +311,7 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
                 g0 = time.perf_counter()
                 try:
                     pairs = source.sample(
-                        [train_prompts[i] for i in idx],
-                        accelerator.unwrap_model(draft),
-                        step_generator(recipe.train.seed, step, rank),
+                        [train_prompts[i] for i in idx], rollout_draft, step_generator(recipe.train.seed, step, rank)
                     )
                 except RuntimeError:
                     check_weights_finite(draft, step, ckpt_root)  # diverged weights make sampling fail first
