@@ -51,12 +51,13 @@ def check_engine(
     cuda: bool,
     has_deepspeed: bool,
     zero_stage: int | None = None,
+    ram_efficient_loading: bool = False,
 ) -> None:
     """Refuse, before any model is loaded, a launch that cannot work here (one line naming the fix).
 
     Raises:
-        ValueError: DeepSpeed without the package or without CUDA, ZeRO-3, or FSDP with a draft that rank 0
-            could not run alone (on-policy rollouts, quantized or LoRA drafts).
+        ValueError: DeepSpeed without the package or without CUDA, ZeRO-3, FSDP with a draft that rank 0
+            could not run alone (on-policy rollouts, quantized or LoRA drafts), or FSDP's RAM-efficient loading.
     """
     if requested == "deepspeed":
         if not has_deepspeed:
@@ -75,6 +76,13 @@ def check_engine(
                 "recipes/accelerate/deepspeed_zero2.yaml or recipes/accelerate/fsdp.yaml"
             )
     if requested == "fsdp":
+        if ram_efficient_loading:
+            # transformers then loads every model without weights on all processes but the first, expecting FSDP
+            # to broadcast them; only the draft is FSDP-wrapped, so the frozen target would stay uninitialised.
+            raise ValueError(
+                "fsdp_cpu_ram_efficient_loading: true leaves the frozen target without weights on every process "
+                "but the first: set it to false in the accelerate config (recipes/accelerate/fsdp.yaml does)"
+            )
         if source in _SOURCES_SAMPLING_THE_DRAFT:
             raise ValueError(
                 f"distill.source={source} samples rollouts from the draft on each rank, which FSDP's sharded "
@@ -101,6 +109,7 @@ def check_launch(recipe: Any, env: Mapping[str, str] = os.environ) -> str | None
         cuda=torch.cuda.is_available(),
         has_deepspeed=requested != "deepspeed" or deepspeed_installed(),
         zero_stage=int(stage) if stage.isdigit() else None,
+        ram_efficient_loading=env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() in ("true", "1"),
     )
     return requested
 

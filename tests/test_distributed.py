@@ -208,6 +208,7 @@ def _check(requested, **kw):
         ("fsdp", {"source": "mix"}, "distill.source=target"),
         ("fsdp", {"source": "draft"}, "distill.source=target"),
         ("fsdp", {"lora": True}, "draft.lora.enabled=false"),
+        ("fsdp", {"ram_efficient_loading": True}, "fsdp_cpu_ram_efficient_loading: true leaves the frozen target"),
     ],
 )
 def test_impossible_engines_are_refused_with_one_line(requested, kw, needle):
