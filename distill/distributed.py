@@ -8,7 +8,7 @@ gather of the full state dict (:func:`full_draft`), rank 0 builds a plain unshar
 ranks wait on a barrier whose timeout is `train.dist_timeout_minutes` (long enough for a slow evaluation).
 
 accelerate does not always run what the launch config asks for: under `ACCELERATE_USE_CPU=1` an FSDP config
-becomes plain data parallelism. :func:`engine_info` reports what it really gave, and :func:`check_engine_info`
+becomes plain data parallelism. :func:`engine_info` reports what it really gave, and :func:`engine_warning`
 warns when that is not what was asked for.
 """
 
@@ -152,6 +152,8 @@ def engine_info(accelerator: Any, model: nn.Module, requested: str | None) -> di
 def describe(info: dict[str, Any]) -> str:
     """One line for the run's log, e.g. `distributed: FSDP, 8 processes, draft parameters sharded`."""
     n = info["num_processes"]
+    if n == 1 and not info["sharded_parameters"]:
+        return f"distributed: {info['distributed_type']}, 1 process"
     sharding = "draft parameters sharded" if info["sharded_parameters"] else "every process holds the whole draft"
     extra = f", ZeRO stage {info['zero_stage']}" if "zero_stage" in info else ""
     return f"distributed: {info['distributed_type']}{extra}, {n} process{'es' if n != 1 else ''}, {sharding}"

@@ -238,6 +238,8 @@ def test_fsdp_that_became_data_parallelism_is_named():
     real = {**info, "distributed_type": "FSDP", "sharded_parameters": True}
     assert engine_warning(real) is None
     assert describe(real) == "distributed: FSDP, 2 processes, draft parameters sharded"
+    single = {"distributed_type": "NO", "num_processes": 1, "sharded_parameters": False, "requested": None}
+    assert describe(single) == "distributed: NO, 1 process" and engine_warning(single) is None
 
 
 def test_process_group_timeout():
