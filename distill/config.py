@@ -152,6 +152,9 @@ class TrainConfig:
     gradient_checkpointing: bool = _f(False, "trade compute for activation memory on the draft")
     seed: int = _f(0, "seed for data order, sampling and init")
     save_every: int = _f(0, "steps between resume checkpoints (0: at each eval)")
+    dist_timeout_minutes: float = _f(
+        120.0, "process-group timeout: how long the other ranks wait while the main process evaluates and saves"
+    )
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
@@ -159,6 +162,7 @@ class TrainConfig:
         _check(self.batch_size > 0, "train.batch_size", f"must be > 0, got {self.batch_size}")
         _check(self.grad_accum > 0, "train.grad_accum", f"must be > 0, got {self.grad_accum}")
         _check(self.max_minutes >= 0, "train.max_minutes", "must be >= 0")
+        _check(self.dist_timeout_minutes > 0, "train.dist_timeout_minutes", "must be > 0")
 
 
 @dataclass

@@ -129,22 +129,21 @@ def evaluate(
 ) -> dict:
     """Bench the draft against the target on the eval prompts (the bench JSON of docs/bench.md).
 
-    A LoRA draft is merged for the measurement and unmerged afterwards: unmerged adapters add matmuls to
-    every draft forward and would understate the speedup the published (merged) draft gives. A draft trained in
-    float32 next to a bf16/fp16 target is measured as a copy in the target's dtype, the way it is served.
+    What is measured is the draft as it is served, built as a separate copy so that the training draft is never
+    touched: a LoRA draft is measured merged (unmerged adapters add matmuls to every draft forward and would
+    understate the speedup the published, merged draft gives), and a draft trained in float32 next to a bf16/fp16
+    target is measured in the target's dtype.
     """
     from decode.bench import run_bench
 
-    merged = _merge_lora_for_eval(draft)
     was_training = draft.training
     draft.eval()
-    # A merged LoRA draft's base model holds the merged weights: a plain model, as HF's assisted generation needs.
-    plain = draft.get_base_model() if merged else draft
-    hf = recipe.eval.hf_assisted and recipe.eval.batch_size == 1 and not hasattr(plain, "peft_config")
+    served = _served_draft(draft, target)
+    hf = recipe.eval.hf_assisted and recipe.eval.batch_size == 1 and not hasattr(served, "peft_config")
     try:
         result = run_bench(
             target,
-            _in_serving_dtype(plain, target),
+            served,
             tokenizer,
             list(prompts),
             target_name=recipe.target.model,
@@ -162,31 +161,48 @@ def evaluate(
             progress=True,
         )
     finally:
-        if merged:
-            draft.unmerge_adapter()
         draft.train(was_training)
     return result
+
+
+def _served_draft(draft: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Module:
+    """The model evaluate() measures: a merged copy of a LoRA draft, else the draft in its serving dtype."""
+    merged = _merge_lora_for_eval(draft, _serving_dtype(draft, target))
+    return merged if merged is not None else _in_serving_dtype(draft, target)
+
+
+def _serving_dtype(draft: torch.nn.Module, target: torch.nn.Module) -> torch.dtype | None:
+    """The target's half-precision dtype when a float32 draft is served next to it; None: keep the draft's."""
+    if any(getattr(m, attr, False) for m in (draft, target) for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit")):
+        return None
+    want = next(target.parameters()).dtype
+    have = next(draft.parameters()).dtype
+    if want not in (torch.bfloat16, torch.float16) or have != torch.float32:
+        return None
+    return want
 
 
 def _in_serving_dtype(draft: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Module:
     """The draft, or an eval-mode copy of it in the target's half-precision dtype (float32 master weights are
     not how a draft is served next to a half-precision target)."""
-    if any(getattr(m, attr, False) for m in (draft, target) for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit")):
-        return draft
-    want = next(target.parameters()).dtype
-    have = next(draft.parameters()).dtype
-    if want not in (torch.bfloat16, torch.float16) or have != torch.float32:
-        return draft
-    return copy.deepcopy(draft).to(want).eval()
+    dtype = _serving_dtype(draft, target)
+    return draft if dtype is None else copy.deepcopy(draft).to(dtype).eval()
 
 
-def _merge_lora_for_eval(draft: torch.nn.Module) -> bool:
-    if hasattr(draft, "merge_adapter") and hasattr(draft, "peft_config"):
-        if getattr(draft, "is_loaded_in_4bit", False) or getattr(draft, "is_loaded_in_8bit", False):
-            return False  # merging into quantized weights is lossy; measure the adapter as it is
-        draft.merge_adapter()
-        return True
-    return False
+def _merge_lora_for_eval(draft: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module | None:
+    """A merged, plain copy of a LoRA draft (the model checkpoints save), or None for a draft without adapters.
+
+    Merging and unmerging in place would round the frozen base weights at every evaluation in bf16/fp16 (W + BA
+    - BA != W in half precision), drifting the base the adapters are trained against; a copy leaves it bitwise
+    as it was. A quantized (QLoRA) draft is measured as it is, unmerged: merging into 4/8-bit weights is lossy.
+    """
+    if not (hasattr(draft, "merge_adapter") and hasattr(draft, "peft_config")):
+        return None
+    if getattr(draft, "is_loaded_in_4bit", False) or getattr(draft, "is_loaded_in_8bit", False):
+        return None
+    from distill.models import export_draft
+
+    return export_draft(draft, dtype)
 
 
 def eval_metrics(result: dict, prefix: str = "eval/") -> dict[str, float]:

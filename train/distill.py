@@ -151,9 +151,10 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from distill import data, losses, models, rollouts
+    from distill import data, distributed, losses, models, rollouts
 
     # ---- setup
+    distributed.check_launch(recipe)  # DeepSpeed without CUDA, FSDP with on-policy rollouts...: refuse up front
     state = RunState(Path(recipe.output_dir).resolve(), recipe)
     out, ckpt_root = state.out, state.ckpt_root
     is_main = int(os.environ.get("RANK", "0")) == 0
@@ -168,6 +169,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         # The loop steps the scheduler once per optimizer step itself: accelerate's default would step it once
         # per process (num_processes times), ending warm-up and decay early under DDP.
         step_scheduler_with_optimizer=False,
+        kwargs_handlers=distributed.process_group_kwargs(recipe.train.dist_timeout_minutes),
     )
     set_seed(recipe.train.seed)
     with accelerator.main_process_first():
@@ -209,7 +211,11 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
 
     # ---- prepare
     draft, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
-    accelerator.init_trackers(recipe.log.project, config=to_dict(recipe), init_kwargs=init_kwargs)
+    engine = distributed.report_engine(accelerator, accelerator.unwrap_model(draft))
+    rollout_draft = distributed.rollout_draft(accelerator.unwrap_model(draft))  # None: sharded, target alone
+    accelerator.init_trackers(
+        recipe.log.project, config={**to_dict(recipe), "distributed": engine}, init_kwargs=init_kwargs
+    )
     metrics = MetricsLog(accelerator, out / "metrics.jsonl")
     start_step = 0
     if args.resume:
@@ -222,6 +228,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
             accelerator.load_state(str(path / "state"))
             if accelerator.is_main_process:
                 print(f"resumed from {path} (step {start_step}, {state.train_s / 60:.1f} training minutes)")
+    metrics.log({"distributed": engine}, step=start_step)
     source = rollouts.RolloutSource(
         recipe.distill,
         target,
@@ -232,23 +239,23 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         num_draft_tokens=recipe.distill.num_draft_tokens,
     )
     if recipe.distill.source in ("target", "mix") and recipe.distill.cache_rollouts:
-        source.pregenerate(
-            train_prompts, accelerator.unwrap_model(draft), accelerator=accelerator, batch_size=recipe.train.batch_size
-        )
+        source.pregenerate(train_prompts, rollout_draft, accelerator=accelerator, batch_size=recipe.train.batch_size)
 
     def evaluate_and_save(step: int, loss: float | None) -> None:
         """The checkpoint of `step`: evaluated on the main process, then saved by every process."""
         result = None
+        # all ranks join the gather of a sharded draft; the others then wait (train.dist_timeout_minutes)
+        full = distributed.full_draft(
+            draft, accelerator.unwrap_model(draft), accelerator.is_main_process, accelerator.device
+        )
         if accelerator.is_main_process:
             tmp = state.tmp_dir(step)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            result = evaluate_checkpoint(
-                accelerator.unwrap_model(draft), target, tokenizer, eval_rows, recipe, tmp / "samples.jsonl"
-            )
+            result = evaluate_checkpoint(full, target, tokenizer, eval_rows, recipe, tmp / "samples.jsonl")
             result.update(train_loss=loss, step=step)
             log_evaluation(metrics, result, eval_rows, step, tmp)
-        save_checkpoint(accelerator, state, draft, tokenizer, step, result)
+        save_checkpoint(accelerator, state, full, tokenizer, step, result)
 
     # ---- loop
     if start_step == 0:
@@ -269,7 +276,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                     try:
                         pairs = source.sample(
                             [train_prompts[i] for i in idx],
-                            accelerator.unwrap_model(draft),
+                            rollout_draft,
                             step_generator(recipe.train.seed, step, rank),
                         )
                     except RuntimeError:
@@ -387,17 +394,18 @@ def log_evaluation(metrics: MetricsLog, result: dict, eval_rows: list[dict], ste
 
 
 def save_checkpoint(
-    accelerator, state: RunState, draft: torch.nn.Module, tokenizer, step: int, result: dict | None
+    accelerator, state: RunState, full: torch.nn.Module | None, tokenizer, step: int, result: dict | None
 ) -> None:
     """checkpoints/step-N atomically: every process writes its training state into the temporary directory,
-    the main process adds the draft and `result` (its eval.json), renames it into place, updates best/ and
-    keeps the top-k. Collective: every process calls it."""
+    the main process adds the draft (`full`: a plain, unsharded copy, see distributed.full_draft) and `result`
+    (its eval.json), renames it into place, updates best/ and keeps the top-k. Collective: every process calls
+    it."""
     tmp = state.tmp_dir(step)
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(tmp / "state"))
         if accelerator.is_main_process:
-            state.finish_checkpoint(accelerator.unwrap_model(draft), tokenizer, step, result, tmp)
+            state.finish_checkpoint(full, tokenizer, step, result, tmp)
     except Exception as err:
         shutil.rmtree(tmp, ignore_errors=True)
         disk = as_disk_error(err, state.ckpt_root / f"step-{step}")

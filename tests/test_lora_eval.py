@@ -1,0 +1,96 @@
+"""Evaluating a LoRA draft measures the merged draft and never touches the frozen base it trains against."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from distill.config import LoraConfig, ModelConfig, Recipe
+from distill.models import load_draft, load_target, load_tokenizer
+from distill.training import _served_draft, evaluate
+from tests.tiny import make_pair, make_prompts
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("pair")
+    target, draft = make_pair(root)
+    rows = [json.loads(line) for line in make_prompts(root / "eval.jsonl", 2).read_text().splitlines()]
+    return {"target": target, "draft": draft, "prompts": rows}
+
+
+def lora_draft(pair: dict, dtype: str) -> torch.nn.Module:
+    lora = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0)
+    draft = load_draft(ModelConfig(model=str(pair["draft"]), dtype=dtype, lora=lora), device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if "lora_B" in name:  # B starts at zero, and merging zero changes nothing: make the adapter count
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return draft
+
+
+def recipe(pair: dict) -> Recipe:
+    r = Recipe()
+    r.target.model, r.draft.model = str(pair["target"]), str(pair["draft"])
+    r.eval.max_new_tokens, r.eval.num_draft_tokens, r.eval.repeats, r.eval.hf_assisted = 8, 3, 1, False
+    return r
+
+
+def test_bf16_evaluations_leave_the_base_bitwise_unchanged(pair):
+    target = load_target(ModelConfig(model=str(pair["target"]), dtype="bfloat16"), device="cpu")
+    tokenizer = load_tokenizer(str(pair["target"]))
+    draft = lora_draft(pair, "bfloat16")
+    draft.train()
+    before = {n: p.detach().clone() for n, p in draft.named_parameters()}
+    assert any(p.dtype == torch.bfloat16 for n, p in before.items() if "lora_" not in n)
+    for _ in range(5):
+        result = evaluate(target, draft, tokenizer, pair["prompts"], recipe(pair))
+    assert 0.0 <= result["acceptance_rate"] <= 1.0
+    changed = [n for n, p in draft.named_parameters() if not torch.equal(p, before[n])]
+    assert changed == []
+    assert draft.training  # the training draft gets its mode back
+    assert any("lora_A" in n for n, _ in draft.named_parameters())  # and keeps its adapters
+
+
+def test_evaluated_draft_is_the_merged_draft(pair):
+    target = load_target(ModelConfig(model=str(pair["target"]), dtype="bfloat16"), device="cpu")
+    draft = lora_draft(pair, "bfloat16")
+    x = torch.tensor([[0, 5, 17, 42, 99, 3, 250, 7]])
+    served = _served_draft(draft, target)
+    assert not hasattr(served, "peft_config") and type(served).__name__ == "LlamaForCausalLM"
+    merged = copy.deepcopy(draft).merge_and_unload().eval()
+    with torch.no_grad():
+        got, want = served(x).logits, merged(x).logits
+        unmerged = draft.eval()(x).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got.float(), unmerged.float(), rtol=0.05, atol=0.1)  # bf16 rounding, adapters in
+
+
+def test_float32_lora_draft_is_served_merged_in_the_targets_dtype(pair):
+    target = load_target(ModelConfig(model=str(pair["target"]), dtype="bfloat16"), device="cpu")
+    draft = lora_draft(pair, "float32")
+    x = torch.tensor([[0, 5, 17, 42, 99, 3, 250, 7]])
+    served = _served_draft(draft, target)
+    assert next(served.parameters()).dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in draft.parameters())  # the training draft is not cast
+    # merged in float32, then cast: the adapters' small delta is not rounded into bf16 weights before it is added
+    reference = copy.deepcopy(draft).merge_and_unload().to(torch.bfloat16).eval()
+    with torch.no_grad():
+        got = served(x).logits
+        want = reference(x).logits
+        with draft.disable_adapter():
+            without_adapters = draft.eval()(x).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (got.float() - without_adapters).abs().max() > 0.1  # the adapters are in the measured draft
