@@ -184,6 +184,7 @@ def test_run_bench_greedy_contract(tmp_path, gamma):
     assert result["engine"] == "draftsmith" and isinstance(result["engine_version"], str)
     lo, hi = result["speedup"]["vs_target_ci95"]  # three prompts: three paired batches
     assert 0 < lo <= hi
+    assert all(0 < lo <= hi for lo, hi in result["hf_assisted_ci95"].values())
     published = 3 if gamma == 3 else max(1, round(result["mean_num_draft_tokens"]))
     assert result["hf_assisted_settings"] == {
         "defaults": {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",

@@ -1,4 +1,5 @@
-"""decode.kernels.CpuLinears: same outputs as nn.Linear, originals restored, copies follow weight updates."""
+"""decode.kernels.CpuLinears: same outputs as nn.Linear, originals restored, copies follow weight updates and are
+freed; autocast, autograd, nesting, threads and a failed swap leave results and models as nn.Linear would."""
 
 from __future__ import annotations
 
@@ -189,3 +190,16 @@ def test_release_frees_the_copies():
         torch.testing.assert_close(_logits(model, ids), plain, rtol=1e-5, atol=1e-5)
     kernels.release(model)
     assert not any(m in kernels._COPIES for m in _linears(model))
+
+
+def test_copies_go_with_the_model():
+    import gc
+
+    _, model = tiny_pair("llama")
+    with CpuLinears(model):
+        _logits(model, torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(7)))
+    layers = len(_linears(model))
+    before = len(kernels._COPIES)
+    del model
+    gc.collect()
+    assert len(kernels._COPIES) == before - layers
