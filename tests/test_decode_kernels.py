@@ -101,6 +101,17 @@ def test_cpu_autocast_bf16_runs_as_nn_linear():
     torch.testing.assert_close(fast, plain, rtol=0, atol=0)
 
 
+def test_decoder_runs_under_cpu_autocast():
+    # What a training run's evaluation meets with train.mixed_precision bf16 (accelerate's autocast on forward).
+    from decode.speculative import speculative_generate
+
+    target, draft = tiny_pair("llama")
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = speculative_generate(target, draft, ids, max_new_tokens=8, num_draft_tokens=3)
+    assert len(out.new_tokens[0]) == 8
+
+
 def test_gradients_reach_the_weights_of_swapped_layers():
     _, model = tiny_pair("llama")
     ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
