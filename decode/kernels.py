@@ -17,9 +17,10 @@ with ``nn.Linear``'s ``[out, in]`` layout is the slow one), float32 with more ro
 oneDNN on a weight reordered once into its blocked layout (PyTorch's own bf16 path is oneDNN too, but
 without the prepacked weight: the bf16 results were bitwise identical in every check, only faster). Copies
 are made on first use and cached per layer (in a weak mapping: they go with the layer, and are rebuilt if its
-weight changes), because building them costs far more than one decoding call (the reference 30M target: about
-a second). The cost is memory, up to two extra copies of each linear weight of a float32 model, one of a bf16
-model: ``release(model)`` frees them (after an evaluation inside a training loop, say).
+weight changes), because building them is slow next to a decoding call (the reference 30M target: about a
+second, the time of some 30 decoded tokens). The cost is memory, up to two extra copies of each linear
+weight of a float32 model, one of a bf16 model: ``release(model)`` frees them (after an evaluation inside a
+training loop, say).
 ``DRAFTSMITH_CPU_KERNELS=0`` turns this off.
 
 Contexts on the same layers may nest or run in several threads at once: a swapped layer stays swapped until
