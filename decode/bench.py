@@ -9,11 +9,22 @@ medians of standalone KV-cached forwards of the same models in the same run.
 On CPU both of draftsmith's loops run the models' linear layers through ``decode.kernels``; HF assisted
 generation is timed as HF runs it and, where those kernels apply, once more with them
 (``hf_assisted_same_kernels``), so the gain over HF splits into kernels and decoding loop.
+
+HF assisted generation runs twice: with transformers' default assistant settings (``hf_assisted``) and as a
+published draft's generation_config sets it (``hf_assisted_published``: gamma tokens, constant, no early stop).
+Every ``model.generate`` call runs on a generation config built from the bench's own settings alone, never on
+the one a model ships (repetition penalties, minimum lengths, suppressed tokens would change the work done and
+the output compared).
+
+``speedup.vs_target_ci95`` is a 95% bootstrap interval from the paired per-batch timings (per repeat with a single
+batch): how far the speedup can be trusted on this machine, e.g. to tell two checkpoints apart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib.metadata
 import itertools
 import json
 import math
@@ -26,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+from transformers import GenerationConfig
 
 from decode import kernels
 from decode.compat import check_context, check_vocab_compatible
@@ -35,14 +47,51 @@ from decode.metrics import (
     acceptance_metrics,
     leviathan_bound,
     solve_acceptance,
+    speedup_ci95,
     speedup_with_prefill,
     theoretical_speedup,
 )
 from decode.prompts import encode_prompts, make_batches
 from decode.speculative import SpecStats, _draft_length, speculative_generate, target_generate
 
-METHODS = ("speculative", "target_loop", "target_generate", "hf_assisted", "hf_assisted_same_kernels")
-HF_ASSISTED_CONFIG = "transformers defaults (num_assistant_tokens=20, constant schedule, confidence threshold 0.4)"
+METHODS = (
+    "speculative",
+    "target_loop",
+    "target_generate",
+    "hf_assisted",
+    "hf_assisted_same_kernels",
+    "hf_assisted_published",
+)
+# transformers' own defaults for the assistant (GenerationConfig), set explicitly: a draft's generation_config
+# may override them, and then "HF defaults" would silently time something else.
+HF_ASSISTED_DEFAULTS = {
+    "num_assistant_tokens": 20,
+    "num_assistant_tokens_schedule": "constant",
+    "assistant_confidence_threshold": 0.4,
+}
+
+
+def published_assistant_settings(gamma: int) -> dict:
+    """The assistant settings a published draft's generation_config carries (``distill.publish``)."""
+    return {
+        "num_assistant_tokens": int(gamma),
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.0,
+    }
+
+
+def _describe(settings: dict) -> str:
+    return (
+        f"num_assistant_tokens={settings['num_assistant_tokens']}, {settings['num_assistant_tokens_schedule']} "
+        f"schedule, confidence threshold {settings['assistant_confidence_threshold']}"
+    )
+
+
+def _engine_version() -> str:
+    try:
+        return importlib.metadata.version("draftsmith")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -61,8 +110,25 @@ def _strip(row: list[int], eos: set[int]) -> list[int]:
     return row
 
 
+@contextlib.contextmanager
+def _generation_configs(configs: dict[nn.Module, GenerationConfig]) -> Iterator[None]:
+    """Give each model this generation config for the call: ``generate`` fills every field left unset in the one
+    it is passed from ``model.generation_config``, and the assistant's settings are read from the assistant's."""
+    saved = {model: model.generation_config for model in configs}
+    try:
+        for model, config in configs.items():
+            model.generation_config = config
+        yield
+    finally:
+        for model, config in saved.items():
+            model.generation_config = config
+
+
 class _Runner:
-    """Runs one method on one batch and returns (seconds, new tokens per row, stats or None)."""
+    """Runs one method on one batch and returns (seconds, new tokens per row, stats or None).
+
+    ``assistant``: the assistant settings of each HF assisted method (set once gamma is known).
+    """
 
     def __init__(self, target, draft, *, max_new_tokens, temperature, top_k, top_p, controller, eos, pad_id):
         self.target, self.draft = target, draft
@@ -71,14 +137,16 @@ class _Runner:
         self.eos = eos
         self.pad_id = pad_id
         self.device = next(target.parameters()).device
+        self.assistant: dict[str, dict] = {}
 
-    def _generate_kwargs(self) -> dict:
+    def generation_config(self, assistant: dict | None = None) -> GenerationConfig:
+        """A fresh config from the bench's own settings only (plus the assistant settings, for the draft)."""
         kw = dict(max_new_tokens=self.max_new, eos_token_id=sorted(self.eos) or None, pad_token_id=self.pad_id)
         if self.temperature > 0:
             kw.update(do_sample=True, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
         else:
-            kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-        return kw
+            kw.update(do_sample=False)
+        return GenerationConfig(**kw, **(assistant or {}))
 
     def run(self, method: str, ids: torch.Tensor, mask: torch.Tensor, seed: int):
         ids, mask = ids.to(self.device), mask.to(self.device)
@@ -111,10 +179,14 @@ class _Runner:
             )  # fmt: skip
             tokens = out.new_tokens
         else:
-            extra = {"assistant_model": self.draft} if method.startswith("hf_assisted") else {}
+            config = self.generation_config()
+            configs, extra = {self.target: config}, {}
+            if method.startswith("hf_assisted"):
+                configs[self.draft] = self.generation_config(self.assistant[method])
+                extra = {"assistant_model": self.draft}
             models = (self.target, self.draft) if method == "hf_assisted_same_kernels" else ()
-            with torch.inference_mode(), kernels.CpuLinears(*models):
-                seqs = self.target.generate(ids, attention_mask=mask, **self._generate_kwargs(), **extra)
+            with torch.inference_mode(), kernels.CpuLinears(*models), _generation_configs(configs):
+                seqs = self.target.generate(ids, attention_mask=mask, generation_config=config, **extra)
             tokens = [_strip(row, self.eos) for row in seqs[:, ids.shape[1] :].tolist()]
         _sync(self.device)
         return time.perf_counter() - t0, tokens, stats
@@ -134,7 +206,15 @@ def _methods(baselines: Sequence[str], batch_size: int, same_kernels: bool) -> l
         methods.append("hf_assisted")
         if same_kernels:
             methods.append("hf_assisted_same_kernels")
+        methods.append("hf_assisted_published")
     return methods
+
+
+def _published_gamma(num_draft_tokens: int | str, warm_up: SpecStats | None) -> int:
+    """The gamma a published draft would carry: the fixed one, or under auto the mean used (as publishing does)."""
+    if num_draft_tokens != "auto":
+        return int(num_draft_tokens)
+    return max(1, round(warm_up.mean_num_draft_tokens if warm_up is not None else 1))
 
 
 MIN_COST_SAMPLES = 5  # per forward kind; auto cycles its verify sizes, so it takes at least one round of them
@@ -149,6 +229,26 @@ def _verify_sizes(controller) -> Iterator[int]:
     if isinstance(controller, AutoDraftLength):
         return itertools.cycle(range(2, controller.max_gamma + 2))
     return itertools.repeat(controller.max_gamma + 1)
+
+
+def _paired(times: dict, tokens: dict, fast: str, base: str) -> tuple[list, list]:
+    """Paired (tokens, seconds) units of two methods: per batch the medians over repeats (as ``_rate``), or with a
+    single batch its repeats (each repeat ran both methods back to back)."""
+    if len(times[fast]) > 1:
+        units = [
+            [(statistics.median(tokens[m][b]), statistics.median(times[m][b])) for b in times[m]] for m in (fast, base)
+        ]
+        return units[0], units[1]
+    return (
+        [(n, t) for n, t in zip(tokens[fast][0], times[fast][0])],
+        [(n, t) for n, t in zip(tokens[base][0], times[base][0])],
+    )
+
+
+def _ci(times: dict, tokens: dict, fast: str, base: str | None) -> list[float] | None:
+    if base is None or fast not in times or base not in times:
+        return None
+    return speedup_ci95(*_paired(times, tokens, fast, base))
 
 
 def _rate(times: dict, tokens: dict, method: str) -> float | None:
@@ -211,8 +311,17 @@ def run_bench(
     )  # fmt: skip
 
     load_start = _load_avg()
-    # Warm-up: every method once on the first batch (allocator, kernels, auto's calibration).
-    for method in methods:
+    # Warm-up: every method once on the first batch (allocator, kernels, auto's calibration); speculative first,
+    # so that under auto the gamma a published draft would carry is known before HF runs with it.
+    _, _, warm_stats = runner.run("speculative", *batches[0], seed=seed)
+    published = published_assistant_settings(_published_gamma(num_draft_tokens, warm_stats))
+    settings = {"defaults": dict(HF_ASSISTED_DEFAULTS), "published": published}
+    runner.assistant = {
+        "hf_assisted": settings["defaults"],
+        "hf_assisted_same_kernels": settings["defaults"],
+        "hf_assisted_published": settings["published"],
+    }
+    for method in methods[1:]:
         runner.run(method, *batches[0], seed=seed)
     # c and v: standalone forwards sampled between the timed runs, so they see the same machine state.
     meter = ForwardCostMeter(target, draft, *batches[0])
@@ -261,7 +370,9 @@ def run_bench(
     rate = {m: _rate(times, tokens, m) for m in METHODS}
     target_rates = [x for x in (rate["target_loop"], rate["target_generate"]) if x is not None]
     target_rate = max(target_rates) if target_rates else None
+    target_method = max(("target_loop", "target_generate"), key=lambda m: rate[m] or 0.0) if target_rates else None
     spec_rate = rate["speculative"]
+    hf_run = "hf_assisted" in methods
     match, agreement = None, None
     if temperature == 0 and "target_generate" in outputs:
         agreement = greedy_agreement(target, batches, outputs)
@@ -290,16 +401,24 @@ def run_bench(
             "target": target_rate,
             "hf_assisted": rate["hf_assisted"],
             "hf_assisted_same_kernels": rate["hf_assisted_same_kernels"],
+            "hf_assisted_published": rate["hf_assisted_published"],
         },
         "speedup": {
             "vs_target": spec_rate / target_rate if target_rate else None,
+            "vs_target_ci95": _ci(times, tokens, "speculative", target_method),
             "vs_hf_assisted": spec_rate / rate["hf_assisted"] if rate["hf_assisted"] else None,
             # HF's assisted loop with draftsmith's CPU kernels: the gain of the decoding loop alone.
             "vs_hf_assisted_same_kernels": (
                 spec_rate / rate["hf_assisted_same_kernels"] if rate["hf_assisted_same_kernels"] else None
             ),
+            "vs_hf_assisted_published": (
+                spec_rate / rate["hf_assisted_published"] if rate["hf_assisted_published"] else None
+            ),
         },
         "outputs_match_target": match,
+        "engine": "draftsmith",
+        "engine_version": _engine_version(),
+        "hf_assisted_settings": settings if hf_run else None,
         # Detail beyond the contract.
         "greedy_agreement": agreement,
         "efficiency": spec_rate / target_rate / theory if target_rate else None,
@@ -317,7 +436,11 @@ def run_bench(
         "generated_tokens": spec_stats.new_tokens,
         "repeats": repeats,
         "seed": seed,
-        "hf_assisted_config": HF_ASSISTED_CONFIG if "hf_assisted" in methods else None,
+        "hf_assisted_config": _describe(settings["defaults"]) if hf_run else None,
+        "hf_assisted_ci95": {
+            "vs_hf_assisted": _ci(times, tokens, "speculative", "hf_assisted"),
+            "vs_hf_assisted_published": _ci(times, tokens, "speculative", "hf_assisted_published"),
+        },
         "device": str(runner.device),
         "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
         "draft_dtype": str(next(draft.parameters()).dtype).replace("torch.", ""),
@@ -380,7 +503,12 @@ def _logit_margin(target: nn.Module, ids: list[int], a: int, b: int) -> tuple[fl
 
 
 def _write_samples(path, tokenizer, prompts, batches, outputs, batch_size) -> None:
-    names = {"speculative": "speculative", "target_generate": "target", "hf_assisted": "hf_assisted"}
+    names = {
+        "speculative": "speculative",
+        "target_generate": "target",
+        "hf_assisted": "hf_assisted",
+        "hf_assisted_published": "hf_assisted_published",
+    }
     if "target_generate" not in outputs and "target_loop" in outputs:
         names["target_loop"] = "target"
     with Path(path).open("w", encoding="utf-8") as f:

@@ -16,9 +16,16 @@ So: float32 with one row multiplies by a contiguous transposed copy of the weigh
 with ``nn.Linear``'s ``[out, in]`` layout is the slow one), float32 with more rows and bf16 always run
 oneDNN on a weight reordered once into its blocked layout (PyTorch's own bf16 path is oneDNN too, but
 without the prepacked weight: the bf16 results were bitwise identical in every check, only faster). Copies
-are made on first use and kept while the layer lives (rebuilt if its weight changes), so the cost is memory:
-up to two extra copies of each linear weight of a float32 model, one of a bf16 model.
+are made on first use and cached per layer (in a weak mapping: they go with the layer, and are rebuilt if its
+weight changes), because building them is slow next to a decoding call (the reference 30M target: about a
+second, the time of some 30 decoded tokens). The cost is memory, up to two extra copies of each linear
+weight of a float32 model, one of a bf16 model: ``release(model)`` frees them (after an evaluation inside a
+training loop, say).
 ``DRAFTSMITH_CPU_KERNELS=0`` turns this off.
+
+Contexts on the same layers may nest or run in several threads at once: a swapped layer stays swapped until
+the last context holding it exits. Under autocast, with autograd recording, or for an input of another dtype
+than the weight, a swapped layer runs PyTorch's own ``F.linear``, so the result is what ``nn.Linear`` gives.
 
 Losslessness does not depend on it: the draft's numerics only change what is accepted, and the target's
 float32 products differ from ``nn.Linear``'s only in rounding order, exactly as a multi-row verify pass
@@ -32,6 +39,7 @@ inside it are swapped.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 
 import torch
@@ -41,6 +49,8 @@ from torch import nn
 _DTYPES = (torch.float32, torch.bfloat16)
 # Per nn.Linear: {"key": (weight version, data pointer), "packed": ..., "transposed": ...}, built lazily.
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Guards swapping, the hold counts and building copies: contexts on one model may run in several threads.
+_LOCK = threading.RLock()
 
 
 def enabled() -> bool:
@@ -59,9 +69,36 @@ def _copies(linear: nn.Linear) -> dict:
     key = (_version(linear.weight), linear.weight.data_ptr())
     copies = _COPIES.get(linear)
     if copies is None or copies["key"] != key:
+        if copies is not None:
+            _clear(copies)  # a stand-in of an earlier context may still point at the stale dict
         copies = {"key": key}
         _COPIES[linear] = copies
     return copies
+
+
+def _clear(copies: dict) -> None:
+    for name in ("packed", "transposed"):
+        copies.pop(name, None)
+
+
+def release(*models: nn.Module) -> None:
+    """Free the weight copies made for the linear layers of ``models`` (rebuilt on next use if needed)."""
+    with _LOCK:
+        for model in models:
+            for module in model.modules():
+                layer = module.original if isinstance(module, _CpuLinear) else module
+                copies = _COPIES.pop(layer, None)
+                if copies is not None:
+                    _clear(copies)  # also drops them from a stand-in that is in use right now
+
+
+def _plain(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this forward must be ``nn.Linear``'s own: the copies are detached, in the weight's dtype only."""
+    return (
+        x.dtype != weight.dtype
+        or torch.is_autocast_enabled(x.device.type)  # autocast casts F.linear's inputs, oneDNN would get mixed ones
+        or (torch.is_grad_enabled() and weight.requires_grad)  # the copies carry no gradient to the weight
+    )
 
 
 class _CpuLinear(nn.Module):
@@ -72,24 +109,38 @@ class _CpuLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.float32 = linear.weight.dtype == torch.float32
+        object.__setattr__(self, "original", linear)  # not a submodule: the model's module tree stays as it was
+        self.holders = 0  # contexts that hold this swap; the last one out puts the original back
         # Looked up once per swap, not per forward: the weight cannot change while the decoding call runs.
         self.copies = _copies(linear)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _copy(self, name: str):
         copies = self.copies
-        if self.float32 and x.numel() == self.in_features:  # one row
-            if "transposed" not in copies:
-                copies["transposed"] = self.weight.detach().t().contiguous()
-            out = x @ copies["transposed"]
-            return out if self.bias is None else out + self.bias
-        if "packed" not in copies:
-            try:
-                copies["packed"] = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-            except (RuntimeError, AttributeError):  # an op missing from this build: PyTorch's own kernel
-                copies["packed"] = None
-        if copies["packed"] is None:
+        if name not in copies:
+            with _LOCK:
+                if name not in copies:
+                    copies[name] = _build(name, self.weight.detach())
+        return copies[name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _plain(x, self.weight):
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, copies["packed"], self.bias, "none", [], "")
+        if self.float32 and x.numel() == self.in_features:  # one row
+            out = x @ self._copy("transposed")
+            return out if self.bias is None else out + self.bias
+        packed = self._copy("packed")
+        if packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+
+def _build(name: str, weight: torch.Tensor) -> torch.Tensor | None:
+    if name == "transposed":
+        return weight.t().contiguous()
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except (RuntimeError, AttributeError):  # an op missing from this build: PyTorch's own kernel
+        return None
 
 
 def _eligible(module: nn.Module) -> bool:
@@ -111,25 +162,54 @@ def applies(*models: nn.Module) -> bool:
 class CpuLinears:
     """Context manager: swap every plain CPU float32/bf16 ``nn.Linear`` of ``models`` for ``_CpuLinear``.
 
-    The originals are put back on exit, also after an error.
+    The originals are put back when the last context holding them exits, also after an error; an error while
+    swapping leaves the models as they were.
     """
 
     def __init__(self, *models: nn.Module):
         self.models = models
-        self.swapped: list[tuple[nn.Module, str, nn.Linear]] = []
+        self.held: list[tuple[nn.Module, str, _CpuLinear]] = []
 
     def __enter__(self):
         if not enabled():
             return self
-        for model in self.models:
-            for parent in list(model.modules()):
-                for name, child in list(parent.named_children()):
-                    if _eligible(child):
-                        self.swapped.append((parent, name, child))
-                        setattr(parent, name, _CpuLinear(child))
+        with _LOCK:
+            try:
+                for parent, name, child in _slots(self.models):
+                    if isinstance(child, _CpuLinear):  # swapped by a context still active: hold it too
+                        child.copies = _copies(child.original)  # the weight may have changed in between
+                        stand_in = child
+                    elif _eligible(child):
+                        stand_in = _CpuLinear(child)
+                        setattr(parent, name, stand_in)
+                    else:
+                        continue
+                    stand_in.holders += 1
+                    self.held.append((parent, name, stand_in))
+            except BaseException:
+                self._let_go()
+                raise
         return self
 
     def __exit__(self, *exc):
-        for parent, name, child in reversed(self.swapped):
-            setattr(parent, name, child)
-        self.swapped = []
+        with _LOCK:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        for parent, name, stand_in in reversed(self.held):
+            stand_in.holders -= 1
+            if stand_in.holders == 0 and getattr(parent, name) is stand_in:
+                setattr(parent, name, stand_in.original)
+        self.held = []
+
+
+def _slots(models) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute name, child) of every module of ``models``, each once (models may share layers)."""
+    seen, slots = set(), []
+    for model in models:
+        for parent in model.modules():
+            for name, child in parent.named_children():
+                if (id(parent), name) not in seen:
+                    seen.add((id(parent), name))
+                    slots.append((parent, name, child))
+    return slots

@@ -8,8 +8,11 @@ tau = tokens emitted per target forward.
 from __future__ import annotations
 
 import collections
+import math
+import random
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -169,3 +172,34 @@ def _timed(device: torch.device, fn) -> float:
     fn()
     _sync(device)
     return time.perf_counter() - t0
+
+
+def speedup_ci95(
+    fast: Sequence[tuple[float, float]], base: Sequence[tuple[float, float]], *, resamples: int = 2000, seed: int = 0
+) -> list[float] | None:
+    """95% bootstrap interval on the speedup (sum of tokens / sum of seconds, fast over base) from paired units.
+
+    ``fast[i]`` and ``base[i]`` are ``(tokens, seconds)`` of the same unit (a prompt batch, or one repeat of it)
+    for the two methods. Whole pairs are resampled, so what both methods share (a long prompt, a slow moment of
+    the machine) cancels in each resample, as it does in the point estimate. Percentile interval, fixed seed:
+    the same timings always give the same interval. None with fewer than two units.
+    """
+    if len(fast) != len(base):
+        raise ValueError(f"paired timings differ in length: {len(fast)} vs {len(base)}")
+    n = len(fast)
+    if n < 2:
+        return None
+    rng = random.Random(seed)
+    estimates = []
+    for _ in range(resamples):
+        picks = [rng.randrange(n) for _ in range(n)]
+        fast_s, base_s = sum(fast[i][1] for i in picks), sum(base[i][1] for i in picks)
+        base_n = sum(base[i][0] for i in picks)
+        if fast_s > 0 and base_n > 0:
+            estimates.append(sum(fast[i][0] for i in picks) / fast_s * base_s / base_n)
+    if not estimates:
+        return None
+    estimates.sort()
+    lo = estimates[int(0.025 * (len(estimates) - 1))]
+    hi = estimates[math.ceil(0.975 * (len(estimates) - 1))]
+    return [lo, hi]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from decode.metrics import (
     expected_tokens_per_round,
     leviathan_bound,
     solve_acceptance,
+    speedup_ci95,
     theoretical_speedup,
 )
 from decode.prompts import encode_prompts, load_prompts
@@ -61,6 +63,43 @@ def test_leviathan_formulas():
     assert _interpolate({1: 10.0, 4: 13.0}, 3.5) == pytest.approx(12.5)
     assert _interpolate({1: 10.0, 2: 11.0, 3: 14.0}, 2) == 11.0
     assert _interpolate({1: 10.0, 2: 11.0, 3: 14.0}, 5) == pytest.approx(20.0)  # extrapolates the last segment
+
+
+def _units(rates: list[float], seconds: float = 1.0) -> list[tuple[float, float]]:
+    return [(r * seconds, seconds) for r in rates]
+
+
+def test_speedup_ci95_brackets_the_estimate_and_narrows_with_less_noise():
+    base = _units([10.0] * 8)
+    assert speedup_ci95(_units([20.0] * 8), base) == pytest.approx([2.0, 2.0])  # no spread: no doubt
+    noisy = _units([14.0, 26.0, 18.0, 22.0, 15.0, 25.0, 19.0, 21.0])
+    quiet = _units([19.0, 21.0, 19.5, 20.5, 19.0, 21.0, 20.0, 20.0])
+    lo, hi = speedup_ci95(noisy, base)
+    assert lo < 2.0 < hi and speedup_ci95(noisy, base) == [lo, hi]  # fixed seed: the same interval every time
+    qlo, qhi = speedup_ci95(quiet, base)
+    assert lo < qlo < 2.0 < qhi < hi
+    # Paired: a prompt that is slow for both methods moves neither end.
+    shared = [((20.0 if i % 2 else 40.0) * s, s) for i, s in enumerate([1.0, 3.0] * 4)]
+    shared_base = [((10.0 if i % 2 else 20.0) * s, s) for i, s in enumerate([1.0, 3.0] * 4)]
+    assert speedup_ci95(shared, shared_base) == pytest.approx([2.0, 2.0])
+    assert speedup_ci95(_units([20.0]), _units([10.0])) is None  # one unit: no interval
+    with pytest.raises(ValueError, match="paired timings differ in length"):
+        speedup_ci95(_units([20.0, 21.0]), _units([10.0]))
+
+
+def test_speedup_ci95_covers_the_true_speedup():
+    import random
+
+    rng = random.Random(1)
+    covered = wrong = 0
+    for _ in range(60):  # per-prompt speedups scattered around a true 1.5 (lognormal, sd 0.2)
+        base = [(64.0, rng.uniform(0.5, 2.0)) for _ in range(12)]
+        fast = [(n, t / (1.5 * math.exp(rng.gauss(0, 0.2)))) for n, t in base]
+        lo, hi = speedup_ci95(fast, base, resamples=500)
+        # The population speedup: sum t / sum (t e^-g / 1.5) -> 1.5 / E[e^-g] = 1.5 e^-0.02.
+        covered += lo <= 1.5 * math.exp(-0.02) <= hi
+        wrong += lo <= 1.1 <= hi  # about 4.5 standard errors of the estimate away
+    assert covered >= 51 and wrong <= 2  # about 95% nominal; 85% allows for a percentile bootstrap on 12 prompts
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -137,8 +176,23 @@ def test_run_bench_greedy_contract(tmp_path, gamma):
     )  # fmt: skip
     assert CONTRACT_KEYS <= set(result)
     # On CPU HF assisted also runs once on draftsmith's kernels (decode.kernels), for the kernel-neutral figure.
-    assert set(result["tokens_per_s"]) == {"speculative", "target", "hf_assisted", "hf_assisted_same_kernels"}
-    assert set(result["speedup"]) == {"vs_target", "vs_hf_assisted", "vs_hf_assisted_same_kernels"}
+    assert set(result["tokens_per_s"]) == {
+        "speculative", "target", "hf_assisted", "hf_assisted_same_kernels", "hf_assisted_published",
+    }  # fmt: skip
+    assert set(result["speedup"]) == {
+        "vs_target", "vs_target_ci95", "vs_hf_assisted", "vs_hf_assisted_same_kernels", "vs_hf_assisted_published",
+    }  # fmt: skip
+    assert result["engine"] == "draftsmith" and isinstance(result["engine_version"], str)
+    lo, hi = result["speedup"]["vs_target_ci95"]  # three prompts: three paired batches
+    assert 0 < lo <= hi
+    assert all(0 < lo <= hi for lo, hi in result["hf_assisted_ci95"].values())
+    published = 3 if gamma == 3 else max(1, round(result["mean_num_draft_tokens"]))
+    assert result["hf_assisted_settings"] == {
+        "defaults": {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
+                     "assistant_confidence_threshold": 0.4},
+        "published": {"num_assistant_tokens": published, "num_assistant_tokens_schedule": "constant",
+                      "assistant_confidence_threshold": 0.0},
+    }  # fmt: skip
     assert result["num_draft_tokens"] == gamma and result["n_prompts"] == 3
     assert result["outputs_match_target"] is True
     assert 0 <= result["acceptance_rate"] <= 1 and result["mean_accepted_length"] >= 1
@@ -149,11 +203,14 @@ def test_run_bench_greedy_contract(tmp_path, gamma):
     assert result["target_tokens_per_s"]["loop"] <= result["tokens_per_s"]["target"]
     agreement = result["greedy_agreement"]
     assert agreement["rows"] == 3 and agreement["divergences"] == []
-    assert set(agreement["rows_equal"]) == {"speculative", "target_loop", "hf_assisted", "hf_assisted_same_kernels"}
+    assert set(agreement["rows_equal"]) == {
+        "speculative", "target_loop", "hf_assisted", "hf_assisted_same_kernels", "hf_assisted_published",
+    }  # fmt: skip
     assert set(agreement["rows_equal"].values()) == {3}
     json.dumps(result)  # serialisable as is
     lines = [json.loads(x) for x in samples.read_text().splitlines()]
-    assert len(lines) == 3 * 3 and {x["method"] for x in lines} == {"speculative", "target", "hf_assisted"}
+    methods = {"speculative", "target", "hf_assisted", "hf_assisted_published"}
+    assert len(lines) == 3 * 4 and {x["method"] for x in lines} == methods
     by = {(x["id"], x["method"]): x["new_token_ids"] for x in lines}
     assert all(by[(p["id"], "speculative")] == by[(p["id"], "target")] for p in PROMPTS)
 
@@ -189,7 +246,36 @@ def test_run_bench_sampling_batched_target_only():
     )  # fmt: skip
     assert result["outputs_match_target"] is None  # only defined for greedy
     assert result["tokens_per_s"]["hf_assisted"] is None and result["speedup"]["vs_hf_assisted"] is None
+    assert result["hf_assisted_settings"] is None and result["speedup"]["vs_hf_assisted_published"] is None
     assert result["batch_size"] == 2 and result["speedup"]["vs_target"] > 0
+
+
+def test_hf_baselines_ignore_the_models_generation_configs():
+    # Instruct models ship generation settings that change what generate does; the bench must not inherit them.
+    target, draft = _pair()
+    for model in (target, draft):
+        gen = model.generation_config
+        gen.repetition_penalty, gen.no_repeat_ngram_size, gen.min_new_tokens = 3.0, 2, 12
+        gen.suppress_tokens = list(range(1, 40))
+    draft.generation_config.num_assistant_tokens, draft.generation_config.assistant_confidence_threshold = 7, 0.9
+    draft.generation_config.num_assistant_tokens_schedule = "heuristic"
+    shipped = {m: m.generation_config.to_dict() for m in (target, draft)}
+    seen = set()  # the assistant settings the draft carries whenever it runs a forward
+
+    def record(module, args):
+        gen = module.generation_config
+        seen.add((gen.num_assistant_tokens, gen.num_assistant_tokens_schedule, gen.assistant_confidence_threshold))
+
+    draft.register_forward_pre_hook(record)
+    result = run_bench(
+        target, draft, char_tokenizer(), PROMPTS, target_name="t", draft_name="d", max_new_tokens=12,
+        num_draft_tokens=3, repeats=1, progress=False,
+    )  # fmt: skip
+    assert result["outputs_match_target"] is True
+    assert set(result["greedy_agreement"]["rows_equal"].values()) == {3}  # every HF baseline too
+    assert {(20, "constant", 0.4), (3, "constant", 0.0)} <= seen  # what hf_assisted_settings says ran
+    assert result["hf_assisted_config"].startswith("num_assistant_tokens=20, constant schedule")
+    assert {m: m.generation_config.to_dict() for m in (target, draft)} == shipped  # given back as they were
 
 
 def test_run_bench_prompt_past_context_is_a_clear_error():
@@ -218,7 +304,7 @@ def test_cli_bench_writes_json_plot_and_samples(tmp_path, saved_pair, capsys):
     result = json.loads(out.read_text())
     assert CONTRACT_KEYS <= set(result) and result["n_prompts"] == 2 and result["num_draft_tokens"] == "auto"
     assert result["outputs_match_target"] is True
-    assert png.stat().st_size > 1000 and len(samples.read_text().splitlines()) == 2 * 3
+    assert png.stat().st_size > 1000 and len(samples.read_text().splitlines()) == 2 * 4
     assert json.loads(capsys.readouterr().out)["n_prompts"] == 2
 
 

@@ -1,4 +1,5 @@
-"""decode.kernels.CpuLinears: same outputs as nn.Linear, originals restored, copies follow weight updates."""
+"""decode.kernels.CpuLinears: same outputs as nn.Linear, originals restored, copies follow weight updates and are
+freed; autocast, autograd, nesting, threads and a failed swap leave results and models as nn.Linear would."""
 
 from __future__ import annotations
 
@@ -86,3 +87,130 @@ def test_hooked_layers_are_left_alone():
         assert model.get_output_embeddings() is hooked  # swapping it would bypass the hook
         _logits(model, torch.tensor([[1, 2, 3]]))
     assert calls == [1]
+
+
+def test_cpu_autocast_bf16_runs_as_nn_linear():
+    # accelerate turns CPU autocast on for mixed_precision bf16: float32 weights meet bf16 activations.
+    _, model = tiny_pair("llama")
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = _logits(model, ids)
+        with CpuLinears(model):
+            fast = _logits(model, ids)
+    assert fast.dtype == plain.dtype == torch.bfloat16
+    torch.testing.assert_close(fast, plain, rtol=0, atol=0)
+
+
+def test_decoder_runs_under_cpu_autocast():
+    # What a training run's evaluation meets with train.mixed_precision bf16 (accelerate's autocast on forward).
+    from decode.speculative import speculative_generate
+
+    target, draft = tiny_pair("llama")
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = speculative_generate(target, draft, ids, max_new_tokens=8, num_draft_tokens=3)
+    assert len(out.new_tokens[0]) == 8
+
+
+def test_gradients_reach_the_weights_of_swapped_layers():
+    _, model = tiny_pair("llama")
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    model(input_ids=ids).logits.logsumexp(-1).sum().backward()
+    plain = [m.weight.grad.clone() for m in _linears(model)]
+    model.zero_grad(set_to_none=True)
+    with CpuLinears(model):
+        model(input_ids=ids).logits.logsumexp(-1).sum().backward()
+    for grad, linear in zip(plain, _linears(model)):
+        assert linear.weight.grad is not None
+        torch.testing.assert_close(linear.weight.grad, grad)
+
+
+def test_error_while_swapping_leaves_the_model_as_it_was(monkeypatch):
+    _, model = tiny_pair("llama")
+    before = [(name, m) for name, m in model.named_modules()]
+    built = []
+
+    class Failing(kernels._CpuLinear):
+        def __init__(self, linear):
+            if len(built) == 3:
+                raise MemoryError("no room for the copies")
+            built.append(linear)
+            super().__init__(linear)
+
+    monkeypatch.setattr(kernels, "_CpuLinear", Failing)
+    with pytest.raises(MemoryError):
+        with CpuLinears(model):
+            pass
+    assert len(built) == 3 and [(name, m) for name, m in model.named_modules()] == before
+
+
+def test_overlapping_contexts_keep_the_swap_until_the_last_exits():
+    _, model = tiny_pair("llama")
+    before = _linears(model)
+    outer, inner = CpuLinears(model), CpuLinears(model)
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)  # not nested: the first one out is not the last
+    assert not _linears(model), "a context still holds the swap"
+    inner.__exit__(None, None, None)
+    assert _linears(model) == before
+    with CpuLinears(model, model):  # the same model twice
+        assert not _linears(model)
+    assert _linears(model) == before
+
+
+def test_concurrent_contexts_on_one_model():
+    import threading
+
+    _, model = tiny_pair("llama")
+    before = _linears(model)
+    ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(5))
+    plain = _logits(model, ids)
+    start, errors = threading.Barrier(4), []
+
+    def work():
+        start.wait()
+        try:
+            for _ in range(20):
+                with CpuLinears(model):
+                    torch.testing.assert_close(_logits(model, ids), plain, rtol=1e-5, atol=1e-5)
+        except BaseException as e:  # reported below: an assert in a thread would not fail the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert _linears(model) == before
+
+
+def test_release_frees_the_copies():
+    _, model = tiny_pair("llama")
+    ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(6))
+    plain = _logits(model, ids)
+    with CpuLinears(model):
+        _logits(model, ids)
+    assert all("packed" in kernels._COPIES[m] for m in _linears(model))
+    kernels.release(model)
+    assert not any(m in kernels._COPIES for m in _linears(model))
+    with CpuLinears(model):
+        _logits(model, ids)
+        kernels.release(model)  # also while in use: the next forward rebuilds them
+        torch.testing.assert_close(_logits(model, ids), plain, rtol=1e-5, atol=1e-5)
+    kernels.release(model)
+    assert not any(m in kernels._COPIES for m in _linears(model))
+
+
+def test_copies_go_with_the_model():
+    import gc
+
+    _, model = tiny_pair("llama")
+    with CpuLinears(model):
+        _logits(model, torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(7)))
+    layers = len(_linears(model))
+    before = len(kernels._COPIES)
+    del model
+    gc.collect()
+    assert len(kernels._COPIES) == before - layers
