@@ -130,8 +130,9 @@ class _Runner:
     ``assistant``: the assistant settings of each HF assisted method (set once gamma is known).
     """
 
-    def __init__(self, target, draft, *, max_new_tokens, temperature, top_k, top_p, controller, eos, pad_id):
+    def __init__(self, target, draft, *, max_new_tokens, temperature, top_k, top_p, controller, eos, pad_id, vocab):
         self.target, self.draft = target, draft
+        self.vocab = vocab  # the shared width: both of draftsmith's loops choose among the same tokens
         self.max_new, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
         self.controller = controller
         self.eos = eos
@@ -170,12 +171,13 @@ class _Runner:
             out = speculative_generate(
                 self.target, self.draft, ids, mask, max_new_tokens=self.max_new, num_draft_tokens=self.controller,
                 temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, eos_token_id=eos, generator=gen,
+                vocab=self.vocab,
             )  # fmt: skip
             tokens, stats = out.new_tokens, out.stats
         elif method == "target_loop":
             out = target_generate(
                 self.target, ids, mask, max_new_tokens=self.max_new, temperature=self.temperature,
-                top_k=self.top_k, top_p=self.top_p, eos_token_id=eos, generator=gen,
+                top_k=self.top_k, top_p=self.top_p, eos_token_id=eos, generator=gen, vocab=self.vocab,
             )  # fmt: skip
             tokens = out.new_tokens
         else:
@@ -295,7 +297,7 @@ def run_bench(
         raise ValueError("no prompts to bench")
     if repeats < 1 or batch_size < 1:
         raise ValueError("repeats and batch_size must be >= 1")
-    check_vocab_compatible(target, draft, tokenizer)
+    vocab = check_vocab_compatible(target, draft, tokenizer)
     methods = _methods(baselines, batch_size, kernels.applies(target, draft))
     eos_id = tokenizer.eos_token_id
     eos = {eos_id} if eos_id is not None else set()
@@ -307,7 +309,7 @@ def run_bench(
     controller = _draft_length(num_draft_tokens, None)
     runner = _Runner(
         target, draft, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        controller=controller, eos=eos, pad_id=pad_id,
+        controller=controller, eos=eos, pad_id=pad_id, vocab=vocab,
     )  # fmt: skip
 
     load_start = _load_avg()

@@ -200,6 +200,7 @@ def speculative_generate(
     tokenizer=None,
     generator: torch.Generator | None = None,
     draft_cost_ratio: float | None = None,
+    vocab: int | None = None,
 ) -> SpecOutput:
     """Generate with ``target`` as fast as ``draft`` allows, with exactly the target's output distribution.
 
@@ -215,6 +216,8 @@ def speculative_generate(
         stop_strings: stop after the token that completes any of these (needs ``tokenizer``).
         generator: RNG for sampling (draft tokens, acceptance, resampling).
         draft_cost_ratio: c for ``auto``; measured from the loop's timings when None.
+        vocab: the logits width both models are cut to (``check_vocab_compatible``'s result); None = the
+            narrower model's. Pass the same value to ``target_generate`` for a baseline over the same tokens.
 
     Returns:
         SpecOutput; greedy ``new_tokens`` equal target-only greedy decoding token for token.
@@ -223,7 +226,7 @@ def speculative_generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     input_ids, prompt_mask = _prepare_inputs(input_ids, attention_mask)
-    vocab = min(logits_width(target), logits_width(draft))  # callers check tokenizers: check_vocab_compatible
+    vocab = _cut_width(vocab, target, draft)  # callers check tokenizers: check_vocab_compatible
     check_context({"target": target, "draft": draft}, int(prompt_mask.sum(1).max()), max_new_tokens)
     controller = _draft_length(num_draft_tokens, draft_cost_ratio)
     eos = _eos_ids(target, eos_token_id)
@@ -392,6 +395,16 @@ def _count_round(stats: SpecStats, g: int, accepted: list[int], live_rows: int) 
             stats.per_position_accepted[i] += 1
 
 
+def _cut_width(vocab: int | None, *models: nn.Module) -> int:
+    """The logits width the loops decode over: ``vocab``, which no model's logits may be narrower than."""
+    widest = min(logits_width(m) for m in models)
+    if vocab is None:
+        return widest
+    if not 0 < vocab <= widest:
+        raise ValueError(f"vocab={vocab} must be in 1..{widest} (the narrowest model's logits width)")
+    return vocab
+
+
 def target_generate(
     target: nn.Module,
     input_ids: torch.Tensor,
@@ -403,11 +416,14 @@ def target_generate(
     top_p: float = 1.0,
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
+    vocab: int | None = None,
 ) -> SpecOutput:
     """draftsmith's own target-only loop: same KV handling and sampling path as ``speculative_generate``.
 
     Args:
         input_ids: ``[batch, prompt_len]`` left-padded; attention_mask: ``[batch, prompt_len]``.
+        vocab: the logits width to decode over; None = the target's full width. Given the width
+            ``speculative_generate`` used, both loops choose among exactly the same tokens.
 
     Returns:
         SpecOutput with ``stats.target_forwards`` = forwards run (``drafted`` stays 0).
@@ -420,7 +436,7 @@ def target_generate(
     emitter = _Emitter(input_ids.shape[0], max_new_tokens, _eos_ids(target, eos_token_id), None, None)
     stats = SpecStats()
     with decoding(target):
-        stream = KVStream(target, input_ids.shape[0], logits_width(target))
+        stream = KVStream(target, input_ids.shape[0], _cut_width(vocab, target))
         rows = list(range(input_ids.shape[0]))
         ids, valid = input_ids, prompt_mask
         while rows:

@@ -186,7 +186,10 @@ def test_run_bench_greedy_contract(tmp_path, gamma):
     lo, hi = result["speedup"]["vs_target_ci95"]  # three prompts: three paired batches
     assert 0 < lo <= hi
     assert all(0 < lo <= hi for lo, hi in result["hf_assisted_ci95"].values())
-    published = 3 if gamma == 3 else max(1, round(result["mean_num_draft_tokens"]))
+    # Under auto the published gamma is the rounded mean of the warm-up run (timing-driven, so not re-derivable
+    # from the timed runs' mean): a whole number of tokens within auto's range.
+    published = 3 if gamma == 3 else result["hf_assisted_settings"]["published"]["num_assistant_tokens"]
+    assert isinstance(published, int) and 1 <= published <= 12
     assert result["hf_assisted_settings"] == {
         "defaults": {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
                      "assistant_confidence_threshold": 0.4},

@@ -262,6 +262,27 @@ def test_padded_target_embedding_works_on_shared_range():
     assert out.new_tokens == [hf_greedy(target, prompt, 12)]
 
 
+def test_both_loops_decode_over_the_same_width():
+    """A padded target whose argmax sometimes lands on a padding row: with the shared width passed to both loops,
+    target-only and speculative decoding choose among the same tokens, so greedy outputs are identical."""
+    width = VOCAB + 8
+
+    def fn(ids, pos):
+        logits = one_hot_logits(ids + 1, width)
+        logits[..., VOCAB + 3] += 25.0 * (pos % 3 == 0).float()  # a padding row wins every third position
+        return logits
+
+    target, draft = FixedLogitLM(width, fn), counter_lm(VOCAB)
+    kw = dict(max_new_tokens=9, eos_token_id=[])
+    shared = check_vocab_compatible(target, draft)
+    spec = speculative_generate(target, draft, PROMPT, num_draft_tokens=3, vocab=shared, **kw)
+    assert spec.new_tokens == target_generate(target, PROMPT, vocab=shared, **kw).new_tokens
+    assert all(t < VOCAB for t in spec.new_tokens[0])
+    assert VOCAB + 3 in target_generate(target, PROMPT, **kw).new_tokens[0]  # the full width would emit padding
+    with pytest.raises(ValueError, match="narrowest model's logits width"):
+        speculative_generate(target, draft, PROMPT, num_draft_tokens=3, vocab=width, **kw)
+
+
 def _word_tokenizer(words: list[str], name: str):
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
