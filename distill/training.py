@@ -163,6 +163,7 @@ def evaluate(
     float32 next to a bf16/fp16 target is measured as a copy in the target's dtype, the way it is served.
     """
     from decode.bench import run_bench
+    from distill.engines import evaluate_vllm
 
     merged = _merge_lora_for_eval(draft)
     was_training = draft.training
@@ -171,6 +172,8 @@ def evaluate(
     plain = draft.get_base_model() if merged else draft
     hf = recipe.eval.hf_assisted and recipe.eval.batch_size == 1 and not hasattr(plain, "peft_config")
     try:
+        if recipe.eval.engine == "vllm":  # the same measurement inside vLLM (distill/engines.py)
+            return evaluate_vllm(target, _in_serving_dtype(plain, target), tokenizer, prompts, recipe, samples_out)
         result = run_bench(
             target,
             _in_serving_dtype(plain, target),

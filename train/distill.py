@@ -45,6 +45,7 @@ from distill.checkpoints import (  # noqa: E402
     write_json_atomic,
 )
 from distill.config import Recipe, RecipeError, dump_recipe, load_recipe, save_recipe, to_dict  # noqa: E402
+from distill.engines import measure_extra_engines  # noqa: E402
 from distill.training import (  # noqa: E402
     MetricsLog,
     Timer,
@@ -372,6 +373,7 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
     )
     if accelerator.is_main_process:
         write_report(out, ckpt_root, history, checksums.tolist(), world)
+        measure_extra_engines(out / "best", recipe, eval_rows)  # best/eval_<engine>.json (eval.extra_engines)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process and recipe.publish.push_to_hub:
