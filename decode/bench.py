@@ -402,7 +402,18 @@ def run_bench(
         "torch_threads": torch.get_num_threads(),
         # 1-minute load average at start and end: timings on a shared machine are only as good as its quiet.
         "load_avg": {"start": load_start, "end": _load_avg()},
+        "engine": "draftsmith",
+        "engine_version": _draftsmith_version(),
     }
+
+
+def _draftsmith_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("draftsmith")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
 
 
 def greedy_agreement(target: nn.Module, batches: list, outputs: dict) -> dict:

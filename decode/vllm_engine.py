@@ -168,7 +168,9 @@ def draft_dir_for_vllm(target: str, draft: str, dtype: str, scratch: Path) -> st
         return draft
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a CLI's stderr is for its one error line
     model = AutoModelForCausalLM.from_pretrained(draft, dtype=getattr(torch, dtype))
     return str(save_draft_for_vllm(model, AutoTokenizer.from_pretrained(draft), AutoConfig.from_pretrained(target),
                                    scratch / "draft"))  # fmt: skip
@@ -342,13 +344,11 @@ def run_vllm_bench(
 
     load_start = _load_avg()
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as scratch:
-        draft_dir = draft_dir_for_vllm(target, draft, dtype, Path(scratch))
         workers: dict[str, Worker] = {}
+        kw = dict(target=target, num_draft_tokens=num_draft_tokens, dtype=dtype, max_model_len=max_model_len)
         try:
-            for name, d in (("target", None), ("speculative", draft_dir)):
-                workers[name] = Worker(
-                    target=target, draft=d, num_draft_tokens=num_draft_tokens, dtype=dtype, max_model_len=max_model_len
-                )
+            workers["target"] = Worker(draft=None, **kw)  # first: a missing vLLM fails before any other work
+            workers["speculative"] = Worker(draft=draft_dir_for_vllm(target, draft, dtype, Path(scratch)), **kw)
             for w in workers.values():  # warm-up: allocator, kernels, first-call paths
                 w.call(**request, prompts=batches[0], seed=seed)
             before = workers["speculative"].call(op="metrics")

@@ -1,0 +1,233 @@
+"""vLLM as a second measuring engine (decode/vllm_engine.py, ``--engine vllm``, ``eval.engine``).
+
+The figures from vLLM's counters and the paired timings are pure functions, tested everywhere. The integration
+tests load real tiny pairs in vLLM (``method: draft_model``) and skip, with the install line as the reason,
+wherever ``import vllm`` fails for any reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import make_pair, make_prompts
+
+from decode.vllm_engine import (
+    INSTALL,
+    PER_POS,
+    acceptance_from_counters,
+    bench_in_subprocess,
+    counter_delta,
+    speedup_ci95,
+    vllm_problem,
+)
+from distill.config import RecipeError, load_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+PAIR = SHARED / "fixtures" / "stdlib-pair"
+DEV_PROMPTS = SHARED / "data" / "stdlib-dev-prompts.jsonl"
+CONTRACT_KEYS = {
+    "target", "draft", "n_prompts", "new_tokens", "temperature", "batch_size", "num_draft_tokens",
+    "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "mean_num_draft_tokens",
+    "draft_cost_ratio", "verify_cost_ratio", "leviathan_bound", "theoretical_speedup", "tokens_per_s", "speedup",
+    "outputs_match_target", "engine", "engine_version", "hf_assisted_settings",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def vllm_ok():
+    problem = vllm_problem()
+    if problem is not None:
+        pytest.skip(problem)
+
+
+@pytest.fixture(scope="module")
+def padded_pair(tmp_path_factory):
+    """The tiny Llama pair of tests/tiny.py, with the target's embedding padded past its tokenizer (as Qwen's
+    are): the draft's config vocab_size (320) then differs from the target's (384), which vLLM rejects unless
+    the draft is first saved with the target's vocab_size."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("vllm-pair")
+    target, draft = make_pair(root)
+    model = AutoModelForCausalLM.from_pretrained(target)
+    model.resize_token_embeddings(384, mean_resizing=False)
+    model.save_pretrained(target)
+    return str(target), str(draft), make_prompts(root / "prompts.jsonl", 4, chars=60)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure functions
+# ---------------------------------------------------------------------------------------------------------------
+def test_acceptance_from_vllm_counters():
+    # 10 drafts of 4: position 1 accepted 8 times, then 6, 3, 1 (a token is judged only after all before it).
+    counters = {
+        "vllm:spec_decode_num_drafts": 10,
+        "vllm:spec_decode_num_draft_tokens": 40,
+        "vllm:spec_decode_num_accepted_tokens": 18,
+        PER_POS: [8, 6, 3, 1],
+    }
+    got = acceptance_from_counters(counters)
+    assert got["acceptance_rate"] == pytest.approx(18 / 40)
+    assert got["mean_accepted_length"] == pytest.approx(1 + 18 / 10)
+    assert got["per_position_acceptance"] == pytest.approx([0.8, 6 / 8, 3 / 6, 1 / 3])
+    assert got["mean_num_draft_tokens"] == 4.0
+    empty = acceptance_from_counters({**counters, **dict.fromkeys(counters, 0), PER_POS: [0, 0]})
+    assert empty["acceptance_rate"] == 0.0 and empty["per_position_acceptance"] == [0.0, 0.0]
+
+
+def test_counter_delta_counts_only_between_snapshots():
+    before = {"vllm:spec_decode_num_drafts": 3, "vllm:spec_decode_num_draft_tokens": 12, PER_POS: [2, 1]}
+    after = {
+        "vllm:spec_decode_num_drafts": 5,
+        "vllm:spec_decode_num_draft_tokens": 20,
+        "vllm:spec_decode_num_accepted_tokens": 4,
+        PER_POS: [4, 2],
+    }
+    assert counter_delta(before, after) == {
+        "vllm:spec_decode_num_drafts": 2,
+        "vllm:spec_decode_num_draft_tokens": 8,
+        "vllm:spec_decode_num_accepted_tokens": 4,
+        PER_POS: [2, 1],
+    }
+
+
+def test_speedup_ci95_brackets_the_paired_ratio():
+    target_s = [1.0, 2.0, 1.5, 1.2, 0.8, 1.1]
+    spec_s = [t / 2 * (1 + 0.05 * (i % 3 - 1)) for i, t in enumerate(target_s)]
+    tokens = [64.0] * len(target_s)
+    lo, hi = speedup_ci95(spec_s, target_s, tokens, tokens)
+    point = (sum(tokens) / sum(spec_s)) / (sum(tokens) / sum(target_s))
+    assert lo <= point <= hi and 1.8 < lo and hi < 2.2
+    assert speedup_ci95(spec_s[:1], target_s[:1], tokens[:1], tokens[:1]) is None
+
+
+def test_recipe_engine_keys_are_validated():
+    recipe = load_recipe(None, ["eval.engine=vllm", "eval.extra_engines=[vllm]"])
+    assert recipe.eval.engine == "vllm" and recipe.eval.extra_engines == ["vllm"]
+    assert load_recipe(None).eval.engine == "draftsmith" and load_recipe(None).eval.extra_engines == []
+    with pytest.raises(RecipeError, match="eval.engine: unknown engine 'vlm'; choose one of draftsmith, vllm"):
+        load_recipe(None, ["eval.engine=vlm"])
+    with pytest.raises(RecipeError, match="eval.extra_engines: unknown engine 'sglang'; choose from draftsmith, vllm"):
+        load_recipe(None, ["eval.extra_engines=[vllm,sglang]"])
+
+
+def _broken_vllm_env(tmp_path) -> dict:
+    """An environment in which ``import vllm`` fails the way a broken install does."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "vllm.py").write_text("raise ImportError('libtorchcodec.so: cannot open shared object file')\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), str(REPO)])}
+
+
+def test_broken_vllm_is_one_error_line_with_the_install_command(tmp_path, monkeypatch, padded_pair):
+    target, draft, prompts = padded_pair
+    env = _broken_vllm_env(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    assert vllm_problem() == f"vLLM is not importable (ImportError: libtorchcodec.so: cannot open shared object " \
+        f"file); install it with: {INSTALL}"  # fmt: skip
+    cmd = [sys.executable, "-m", "decode", "bench", "--engine", "vllm", "--target", target, "--draft", draft,
+           "--prompts", str(prompts), "--max-new-tokens", "8", "--json", str(tmp_path / "out.json")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: vLLM is not importable") and INSTALL in lines[0]
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_vllm_engine_rejects_auto_draft_length(tmp_path, padded_pair):
+    target, draft, prompts = padded_pair
+    cmd = [sys.executable, "-m", "decode", "bench", "--engine", "vllm", "--target", target, "--draft", draft,
+           "--prompts", str(prompts), "--num-draft-tokens", "auto"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: --engine vllm needs a fixed --num-draft-tokens (an int; vLLM has no adaptive draft length), got 'auto'"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM integration (skips where vLLM cannot be imported)
+# ---------------------------------------------------------------------------------------------------------------
+def _check_result(result: dict, gamma: int) -> None:
+    assert CONTRACT_KEYS <= set(result)
+    assert result["engine"] == "vllm" and result["engine_version"]
+    assert result["outputs_match_target"] is True, result["greedy_agreement"]
+    assert 0 < result["acceptance_rate"] <= 1
+    assert 1 < result["mean_accepted_length"] <= gamma + 1
+    assert len(result["per_position_acceptance"]) == gamma
+    assert all(0 <= a <= 1 for a in result["per_position_acceptance"])
+    assert result["tokens_per_s"]["speculative"] > 0 and result["tokens_per_s"]["target"] > 0
+    assert result["speedup"]["vs_target"] > 0 and result["tokens_per_s"]["hf_assisted"] is None
+
+
+@pytest.mark.slow
+def test_tiny_pair_in_vllm_matches_target_only(vllm_ok, tmp_path, padded_pair):
+    """The CLI path (``python -m decode bench --engine vllm --json``) on a draft whose vocab_size differs."""
+    from decode.bench import load_prompts
+
+    target, draft, prompts = padded_pair
+    settings = {"max_new_tokens": 24, "num_draft_tokens": 3, "repeats": 1, "dtype": "float32"}
+    result = bench_in_subprocess(target, draft, load_prompts(prompts), settings=settings, out_json=tmp_path / "o.json")
+    _check_result(result, gamma=3)
+    assert result["n_prompts"] == 4 and result["greedy_agreement"]["rows"] == 4
+
+
+@pytest.mark.slow
+def test_training_eval_with_vllm_saves_the_draft_as_served(vllm_ok, tmp_path, padded_pair):
+    """eval.engine=vllm: a float32 draft next to a bfloat16 target is measured in bfloat16, padded to the
+    target's vocab_size; extra engines then write best/eval_vllm.json."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decode.bench import load_prompts
+    from distill.engines import measure_extra_engines
+    from distill.training import evaluate
+
+    target_dir, draft_dir, prompt_file = padded_pair
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompts = load_prompts(prompt_file)[:2]
+    overrides = [f"target.model={target_dir}", f"draft.model={draft_dir}", "eval.engine=vllm",
+                 "eval.max_new_tokens=16", "eval.num_draft_tokens=2", "eval.extra_engines=[vllm]"]  # fmt: skip
+    recipe = load_recipe(None, overrides)
+    result = evaluate(target, draft, tokenizer, prompts, recipe, samples_out=tmp_path / "samples.jsonl")
+    _check_result(result, gamma=2)
+    assert result["dtype"] == "bfloat16" and result["draft"] == draft_dir
+    assert next(draft.parameters()).dtype == torch.float32 and draft.config.vocab_size == 320  # untouched
+    assert {json.loads(line)["method"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()} == {
+        "speculative",
+        "target",
+    }
+
+    # extra engines: eval.json says which dtype the run measured in; vLLM measures best/ the same way.
+    best = tmp_path / "best"
+    draft.save_pretrained(best)
+    tokenizer.save_pretrained(best)
+    (best / "eval.json").write_text(json.dumps({"engine": "draftsmith", "dtype": "float32"}))
+    recipe.eval.engine = "draftsmith"
+    assert measure_extra_engines(best, recipe, prompts) == [best / "eval_vllm.json"]
+    extra = json.loads((best / "eval_vllm.json").read_text())
+    _check_result(extra, gamma=2)
+    assert extra["dtype"] == "float32" and extra["draft"] == str(best)
+    assert sorted(p.name for p in best.glob("eval*")) == ["eval.json", "eval_vllm.json"]
+
+
+@pytest.mark.slow
+@pytest.mark.shared
+def test_reference_pair_in_vllm_matches_target_only(vllm_ok, tmp_path):
+    from decode.bench import load_prompts
+
+    settings = {"max_new_tokens": 32, "num_draft_tokens": 4, "repeats": 1, "dtype": "float32"}
+    prompts = load_prompts(DEV_PROMPTS)[:4]
+    result = bench_in_subprocess(
+        str(PAIR / "target"), str(PAIR / "draft"), prompts, settings=settings, out_json=tmp_path / "o.json"
+    )
+    _check_result(result, gamma=4)
+    assert result["acceptance_rate"] > 0.3  # a trained draft, not a chance guesser
