@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import make_pair, make_prompts
+from tiny import VOCAB, make_prompts, make_tokenizer
 
 from decode.vllm_engine import (
     INSTALL,
@@ -47,19 +47,35 @@ def vllm_ok():
         pytest.skip(problem)
 
 
+def make_vllm_pair(root: Path) -> tuple[str, str]:
+    """tests/tiny.py's pair, with one 64-wide attention head (vLLM's CPU attention has no kernel for head_dim 16)
+    and the target's embedding padded past its tokenizer (as Qwen's are): the draft's config vocab_size (320)
+    then differs from the target's (384), which vLLM rejects unless the draft is first saved with the target's."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=1, num_key_value_heads=1,
+                  max_position_embeddings=512, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                  tie_word_embeddings=True, initializer_range=0.2)  # fmt: skip
+    target = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, vocab_size=VOCAB, **common)).eval()
+    draft = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, vocab_size=VOCAB, **common)).eval()
+    # The draft shares the target's embedding and first layer: a weak but not useless guesser.
+    draft.load_state_dict(target.state_dict(), strict=False)
+    target.resize_token_embeddings(384, mean_resizing=False)
+    paths = []
+    for name, model in (("target", target), ("draft", draft)):
+        model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model.save_pretrained(root / name)
+        make_tokenizer(root / name)
+        paths.append(str(root / name))
+    return paths[0], paths[1]
+
+
 @pytest.fixture(scope="module")
 def padded_pair(tmp_path_factory):
-    """The tiny Llama pair of tests/tiny.py, with the target's embedding padded past its tokenizer (as Qwen's
-    are): the draft's config vocab_size (320) then differs from the target's (384), which vLLM rejects unless
-    the draft is first saved with the target's vocab_size."""
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("vllm-pair")
-    target, draft = make_pair(root)
-    model = AutoModelForCausalLM.from_pretrained(target)
-    model.resize_token_embeddings(384, mean_resizing=False)
-    model.save_pretrained(target)
-    return str(target), str(draft), make_prompts(root / "prompts.jsonl", 4, chars=60)
+    target, draft = make_vllm_pair(root)
+    return target, draft, make_prompts(root / "prompts.jsonl", 4, chars=60)
 
 
 # ---------------------------------------------------------------------------------------------------------------
