@@ -168,6 +168,34 @@ def test_vllm_engine_rejects_auto_draft_length(tmp_path, padded_pair):
     )
 
 
+@pytest.mark.parametrize("wrap", ["plain", "peft"])
+def test_decoder_kv_cache_is_filled_on_the_installed_transformers(wrap):
+    """vLLM pins an older transformers (5.19: forwards take ``past_key_values=``; newer ones ``cache=``), and a
+    wrong keyword is swallowed silently: the decoder's streams must fill their cache on whichever is installed,
+    through a PEFT wrapper too (LoRA drafts are evaluated wrapped)."""
+    import inspect
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from decode.speculative import KVStream
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    takes = [k for k in ("cache", "past_key_values") if k in inspect.signature(LlamaForCausalLM.forward).parameters]
+    if wrap == "peft":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).eval()
+    stream = KVStream(model, batch_size=1, vocab=64)
+    assert [stream.cache_kw] == takes
+    with torch.inference_mode():
+        stream.feed(torch.arange(5)[None], None, keep=1)
+        stream.feed(torch.tensor([[7]]), None, keep=1)
+    assert stream.cache.get_seq_length() == 6
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # vLLM integration (skips where vLLM cannot be imported)
 # ---------------------------------------------------------------------------------------------------------------
