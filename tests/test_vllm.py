@@ -212,55 +212,53 @@ def _check_result(result: dict, gamma: int) -> None:
 
 
 @pytest.mark.slow
-def test_tiny_pair_in_vllm_matches_target_only(vllm_ok, tmp_path, padded_pair):
-    """The CLI path (``python -m decode bench --engine vllm --json``) on a draft whose vocab_size differs."""
-    from decode.bench import load_prompts
-
-    target, draft, prompts = padded_pair
-    settings = {"max_new_tokens": 24, "num_draft_tokens": 3, "repeats": 1, "dtype": "float32"}
-    result = bench_in_subprocess(target, draft, load_prompts(prompts), settings=settings, out_json=tmp_path / "o.json")
-    _check_result(result, gamma=3)
-    assert result["n_prompts"] == 4 and result["greedy_agreement"]["rows"] == 4
-
-
-@pytest.mark.slow
-def test_training_eval_with_vllm_saves_the_draft_as_served(vllm_ok, tmp_path, padded_pair):
-    """eval.engine=vllm: a float32 draft next to a bfloat16 target is measured in bfloat16, padded to the
-    target's vocab_size; extra engines then write best/eval_vllm.json."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_extra_engine_measures_best_in_vllm(vllm_ok, tmp_path, padded_pair):
+    """eval.extra_engines=[vllm]: best/eval_vllm.json next to eval.json, through ``python -m decode bench --engine
+    vllm --json``, for a draft whose vocab_size differs from the target's (saved padded for vLLM first)."""
+    import shutil
 
     from decode.bench import load_prompts
     from distill.engines import measure_extra_engines
+
+    target, draft, prompt_file = padded_pair
+    best = tmp_path / "best"
+    shutil.copytree(draft, best)
+    (best / "eval.json").write_text(json.dumps({"engine": "draftsmith", "dtype": "float32"}))
+    overrides = [f"target.model={target}", f"draft.model={draft}", "eval.max_new_tokens=24",
+                 "eval.num_draft_tokens=3", "eval.extra_engines=[vllm]"]  # fmt: skip
+    recipe = load_recipe(None, overrides)
+    assert measure_extra_engines(best, recipe, load_prompts(prompt_file)) == [best / "eval_vllm.json"]
+    result = json.loads((best / "eval_vllm.json").read_text())
+    _check_result(result, gamma=3)
+    assert result["n_prompts"] == 4 and result["greedy_agreement"]["rows"] == 4
+    assert result["dtype"] == "float32" and result["draft"] == str(best)
+    assert sorted(p.name for p in best.glob("eval*")) == ["eval.json", "eval_vllm.json"]
+    assert json.loads((best / "config.json").read_text())["vocab_size"] == 320  # best/ itself is untouched
+
+
+@pytest.mark.slow
+def test_training_eval_with_vllm_measures_the_draft_as_served(vllm_ok, tmp_path, padded_pair):
+    """eval.engine=vllm: a float32 draft next to a bfloat16 target is measured in bfloat16, with the target's
+    vocab_size, and the draft in training is left as it was."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decode.bench import load_prompts
     from distill.training import evaluate
 
     target_dir, draft_dir, prompt_file = padded_pair
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    prompts = load_prompts(prompt_file)[:2]
     overrides = [f"target.model={target_dir}", f"draft.model={draft_dir}", "eval.engine=vllm",
-                 "eval.max_new_tokens=16", "eval.num_draft_tokens=2", "eval.extra_engines=[vllm]"]  # fmt: skip
+                 "eval.max_new_tokens=16", "eval.num_draft_tokens=2"]  # fmt: skip
     recipe = load_recipe(None, overrides)
+    prompts = load_prompts(prompt_file)[:2]
     result = evaluate(target, draft, tokenizer, prompts, recipe, samples_out=tmp_path / "samples.jsonl")
     _check_result(result, gamma=2)
     assert result["dtype"] == "bfloat16" and result["draft"] == draft_dir
-    assert next(draft.parameters()).dtype == torch.float32 and draft.config.vocab_size == 320  # untouched
-    assert {json.loads(line)["method"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()} == {
-        "speculative",
-        "target",
-    }
-
-    # extra engines: eval.json says which dtype the run measured in; vLLM measures best/ the same way.
-    best = tmp_path / "best"
-    draft.save_pretrained(best)
-    tokenizer.save_pretrained(best)
-    (best / "eval.json").write_text(json.dumps({"engine": "draftsmith", "dtype": "float32"}))
-    recipe.eval.engine = "draftsmith"
-    assert measure_extra_engines(best, recipe, prompts) == [best / "eval_vllm.json"]
-    extra = json.loads((best / "eval_vllm.json").read_text())
-    _check_result(extra, gamma=2)
-    assert extra["dtype"] == "float32" and extra["draft"] == str(best)
-    assert sorted(p.name for p in best.glob("eval*")) == ["eval.json", "eval_vllm.json"]
+    assert next(draft.parameters()).dtype == torch.float32 and draft.config.vocab_size == 320
+    methods = [json.loads(line)["method"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert sorted(methods) == ["speculative", "speculative", "target", "target"]
 
 
 @pytest.mark.slow
