@@ -138,14 +138,17 @@ def first_divergences(spec: list[list[int]], target: list[list[int]]) -> list[di
 # Preparing a draft for vLLM
 # ---------------------------------------------------------------------------------------------------------------
 def save_draft_for_vllm(draft, tokenizer, target_config, out_dir: str | Path, dtype=None) -> Path:
-    """Save ``draft`` (a loaded model) as vLLM loads a speculator: in ``dtype`` (default: its own) and with the
-    target's config vocab_size (vLLM rejects a draft whose vocab_size differs). The draft itself is untouched."""
+    """Save ``draft`` (a loaded model, or a PEFT model: its adapters are merged into the copy) as vLLM loads a
+    speculator: a plain checkpoint in ``dtype`` (default: its own) with the target's config vocab_size (vLLM
+    rejects a draft whose vocab_size differs). The draft itself is untouched."""
     import copy
 
     from distill.publish import match_vocab
 
     out_dir = Path(out_dir)
     model = copy.deepcopy(draft)
+    if hasattr(model, "merge_and_unload"):  # adapters already merged for the eval are only unloaded
+        model = model.merge_and_unload()
     if dtype is not None:
         model = model.to(dtype)
     match_vocab(model, target_config.get_text_config().vocab_size)

@@ -173,7 +173,7 @@ def evaluate(
     hf = recipe.eval.hf_assisted and recipe.eval.batch_size == 1 and not hasattr(plain, "peft_config")
     try:
         if recipe.eval.engine == "vllm":  # the same measurement inside vLLM (distill/engines.py)
-            return evaluate_vllm(target, _in_serving_dtype(plain, target), tokenizer, prompts, recipe, samples_out)
+            return evaluate_vllm(target, draft, tokenizer, prompts, recipe, samples_out)
         result = run_bench(
             target,
             _in_serving_dtype(plain, target),

@@ -196,6 +196,31 @@ def test_decoder_kv_cache_is_filled_on_the_installed_transformers(wrap):
     assert stream.cache.get_seq_length() == 6
 
 
+def test_draft_saved_for_vllm_is_plain_padded_and_in_the_target_dtype(tmp_path):
+    """A LoRA draft (as evaluated: adapters merged) is saved as a plain checkpoint vLLM can load, padded to the
+    target's vocab_size, in the target's dtype; the draft in training keeps its adapters, dtype and vocab."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    from decode.vllm_engine import save_draft_for_vllm
+
+    target_dir, draft_dir = make_vllm_pair(tmp_path)
+    tokenizer = make_tokenizer(tmp_path / "tok")
+    draft = get_peft_model(LlamaForCausalLM.from_pretrained(draft_dir), LoraConfig(r=2, target_modules=["q_proj"]))
+    torch.nn.init.normal_(draft.base_model.model.model.layers[0].self_attn.q_proj.lora_B.default.weight)
+    draft.merge_adapter()
+    merged_q = draft.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
+    out = save_draft_for_vllm(draft, tokenizer, AutoConfig.from_pretrained(target_dir), tmp_path / "v", torch.bfloat16)
+    weights = load_file(out / "model.safetensors")
+    assert not [k for k in weights if "lora" in k or "base_layer" in k]
+    assert weights["model.embed_tokens.weight"].shape[0] == 384 and LlamaConfig.from_pretrained(out).vocab_size == 384
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], merged_q.to(torch.bfloat16))
+    assert hasattr(draft, "peft_config") and next(draft.parameters()).dtype == torch.float32
+    assert draft.get_input_embeddings().weight.shape[0] == VOCAB
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # vLLM integration (skips where vLLM cannot be imported)
 # ---------------------------------------------------------------------------------------------------------------
