@@ -62,6 +62,8 @@ def make_vllm_pair(root: Path) -> tuple[str, str]:
     # The draft shares the target's embedding and first layer: a weak but not useless guesser.
     draft.load_state_dict(target.state_dict(), strict=False)
     target.resize_token_embeddings(384, mean_resizing=False)
+    with torch.no_grad():  # padded rows as trained models have them: never the argmax (mean row, mean logit)
+        target.get_input_embeddings().weight[VOCAB:] = target.get_input_embeddings().weight[:VOCAB].mean(0)
     paths = []
     for name, model in (("target", target), ("draft", draft)):
         model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0)
@@ -219,6 +221,27 @@ def test_draft_saved_for_vllm_is_plain_padded_and_in_the_target_dtype(tmp_path):
     assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], merged_q.to(torch.bfloat16))
     assert hasattr(draft, "peft_config") and next(draft.parameters()).dtype == torch.float32
     assert draft.get_input_embeddings().weight.shape[0] == VOCAB
+
+
+def test_draftsmith_as_extra_engine_next_to_vllm(tmp_path, padded_pair):
+    """eval.engine=vllm with eval.extra_engines=[draftsmith]: draftsmith's own bench of best/ is
+    best/eval_draftsmith.json (no vLLM needed)."""
+    import shutil
+
+    from decode.bench import load_prompts
+    from distill.engines import measure_extra_engines
+
+    target, draft, prompt_file = padded_pair
+    best = tmp_path / "best"
+    shutil.copytree(draft, best)
+    (best / "eval.json").write_text(json.dumps({"engine": "vllm", "dtype": "float32"}))
+    overrides = [f"target.model={target}", "eval.engine=vllm", "eval.extra_engines=[draftsmith,vllm]",
+                 "eval.max_new_tokens=8", "eval.num_draft_tokens=2", "eval.hf_assisted=false"]  # fmt: skip
+    recipe = load_recipe(None, overrides)
+    assert measure_extra_engines(best, recipe, load_prompts(prompt_file)[:2]) == [best / "eval_draftsmith.json"]
+    result = json.loads((best / "eval_draftsmith.json").read_text())
+    assert result["engine"] == "draftsmith" and result["outputs_match_target"] is True
+    assert result["n_prompts"] == 2 and result["draft"] == str(best) and result["dtype"] == "float32"
 
 
 # ---------------------------------------------------------------------------------------------------------------
