@@ -4,13 +4,17 @@
         [--max-new-tokens 64] [--temperature 0] [--top-p 1.0] [--top-k 0] [--num-draft-tokens N|auto] \\
         [--batch-size 1] [--limit N] [--repeats 3] [--seed 0] [--baselines target,hf] \\
         [--json OUT] [--plot OUT.png] [--samples-out OUT.jsonl] [--dtype float32] [--draft-dtype float32]
-        [--device auto]
+        [--device auto] [--engine draftsmith|vllm]
 
 Example (the stdlib reference pair built by recipes/pretrain/stdlib-*.yaml, greedy, batch 1):
 
     HF_HUB_OFFLINE=1 python -m decode bench --target runs/stdlib-pair/target \\
         --draft runs/stdlib-pair/draft --prompts runs/stdlib-pair/prompts/stdlib-eval.jsonl \\
         --limit 30 --num-draft-tokens auto --json bench.json --plot bench.png
+
+``--engine vllm`` measures the same pair inside vLLM (``speculative_config`` method ``draft_model``): vLLM's
+acceptance counters and vLLM-with-draft vs vLLM target-only tokens/s (``decode.vllm_engine``; needs
+``pip install "draftsmith[vllm]"``).
 
 Errors in the inputs (missing or empty prompt file, vocabulary mismatch, prompt past the context) print one
 ``error: ...`` line and exit with status 2.
@@ -28,6 +32,7 @@ if TYPE_CHECKING:  # imported lazily at run time: --help stays fast
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
+ENGINES = ("draftsmith", "vllm")
 
 
 def _draft_tokens(value: str) -> int | str:
@@ -81,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     b.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument(
+        "--engine", choices=ENGINES, default="draftsmith",
+        help="draftsmith: its own speculative decoder vs its baselines; vllm: vLLM with the draft vs vLLM target-only",
+    )  # fmt: skip
     return parser
 
 
@@ -137,6 +146,8 @@ def bench(args: argparse.Namespace) -> dict:
 
     if not Path(args.prompts).is_file():
         raise ValueError(f"prompt file not found: {args.prompts}")
+    if args.engine == "vllm":
+        return bench_vllm(args)
     device = (
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if args.device == "auto"
@@ -155,6 +166,36 @@ def bench(args: argparse.Namespace) -> dict:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size, repeats=args.repeats, seed=args.seed,
         baselines=args.baselines, samples_out=args.samples_out, progress=not args.no_progress,
+    )  # fmt: skip
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+def bench_vllm(args: argparse.Namespace) -> dict:
+    """``--engine vllm``: the same prompts and settings, measured by ``decode.vllm_engine``."""
+    import torch
+
+    from decode.bench import load_prompts
+    from decode.vllm_engine import run_vllm_bench
+
+    if args.device != "auto":
+        raise ValueError("--engine vllm runs on the device of the installed vLLM build: drop --device")
+    if args.draft_dtype and args.draft_dtype != (args.dtype or args.draft_dtype):
+        raise ValueError("--engine vllm runs the draft in the target's dtype: drop --draft-dtype or set it to --dtype")
+    dtype = args.dtype or args.draft_dtype
+    if dtype is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = str(default_dtype(device)).replace("torch.", "")
+    prompts = load_prompts(args.prompts)
+    if args.limit is not None:
+        prompts = prompts[: args.limit]
+    result = run_vllm_bench(
+        args.target, args.draft, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size,
+        repeats=args.repeats, seed=args.seed, dtype=dtype, samples_out=args.samples_out,
     )  # fmt: skip
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -35,6 +35,7 @@ def _check(cond: bool, key: str, msg: str) -> None:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ENGINES = ("draftsmith", "vllm")  # what measures a draft: draftsmith's own decoder, or vLLM (decode.vllm_engine)
 
 
 @dataclass
@@ -180,9 +181,15 @@ class EvalConfig:
     repeats: int = _f(3, "timing repeats per evaluation (median; their spread gives the speedup interval)")
     hf_assisted: bool = _f(True, "also time HF generate(assistant_model=draft) (batch 1) for the card's vs-HF figure")
     keep_top_k: int = _f(2, "checkpoints kept, ranked by measured speedup (ties: acceptance)")
+    engine: str = _f("draftsmith", "what measures every evaluation (eval.json): draftsmith or vllm")
+    extra_engines: list[str] = _f([], "engines that also measure best/ at the end (best/eval_<engine>.json)")
 
     def __post_init__(self) -> None:
         _check(self.every > 0, "eval.every", f"must be > 0, got {self.every}")
+        valid = ", ".join(ENGINES)
+        _check(self.engine in ENGINES, "eval.engine", f"unknown engine {self.engine!r}; choose one of {valid}")
+        for name in self.extra_engines:
+            _check(name in ENGINES, "eval.extra_engines", f"unknown engine {name!r}; choose from {valid}")
         _check(self.num_prompts > 0, "eval.num_prompts", "must be > 0")
         _check(self.temperature >= 0, "eval.temperature", "must be >= 0")
         _check(

@@ -135,12 +135,15 @@ def evaluate(
     target is measured in the target's dtype.
     """
     from decode.bench import run_bench
+    from distill.engines import evaluate_vllm
 
     was_training = draft.training
     draft.eval()
     served = _served_draft(draft, target)
     hf = recipe.eval.hf_assisted and recipe.eval.batch_size == 1 and not hasattr(served, "peft_config")
     try:
+        if recipe.eval.engine == "vllm":  # the same measurement inside vLLM (distill/engines.py)
+            return evaluate_vllm(target, draft, tokenizer, prompts, recipe, samples_out)
         result = run_bench(
             target,
             served,

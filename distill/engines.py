@@ -1,0 +1,117 @@
+"""Measuring a draft with an engine other than draftsmith's own decoder (recipe keys ``eval.engine`` and
+``eval.extra_engines``; today: vLLM).
+
+vLLM loads models from directories, so the draft is first saved the way vLLM serves it: in the target's dtype
+and with the target's vocab_size. Each measurement runs ``python -m decode bench --engine vllm`` in a
+subprocess, which keeps vLLM's global state out of the training process.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distill.config import Recipe
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _bench_settings(recipe: Recipe, dtype: str) -> dict[str, Any]:
+    ev = recipe.eval
+    return {
+        "max_new_tokens": ev.max_new_tokens,
+        "temperature": ev.temperature,
+        "top_p": ev.top_p,
+        "top_k": ev.top_k,
+        "num_draft_tokens": ev.num_draft_tokens,
+        "batch_size": ev.batch_size,
+        "repeats": ev.repeats,
+        "seed": recipe.train.seed,
+        "dtype": dtype,
+    }
+
+
+def evaluate_vllm(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[dict],
+    recipe: Recipe,
+    samples_out: Path | None = None,
+) -> dict:
+    """Bench ``draft`` (a loaded, plain model) next to ``recipe.target.model`` inside vLLM; the bench JSON dict.
+
+    The target is loaded by vLLM from its recipe path in the dtype of the loaded ``target``; the draft is saved
+    to a temporary directory in that dtype with the target's vocab_size.
+    """
+    from decode.vllm_engine import bench_in_subprocess, save_draft_for_vllm
+
+    dtype = next(target.parameters()).dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):  # a quantized target: vLLM loads it unquantized
+        dtype = torch.bfloat16
+    with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-draft-") as tmp:
+        draft_dir = save_draft_for_vllm(draft, tokenizer, target.config, Path(tmp) / "draft", dtype=dtype)
+        settings = _bench_settings(recipe, _dtype_name(dtype))
+        settings["samples_out"] = str(samples_out) if samples_out is not None else None
+        result = bench_in_subprocess(
+            recipe.target.model, draft_dir, prompts, settings=settings, out_json=Path(tmp) / "eval.json"
+        )
+    result["draft"] = recipe.draft.model
+    return result
+
+
+def _bench_draftsmith(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype: str) -> dict:
+    """draftsmith's own bench of best/ next to the recipe's target, both loaded in ``dtype``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decode.bench import run_bench
+
+    ev, kw = recipe.eval, {"dtype": getattr(torch, dtype), "trust_remote_code": recipe.target.trust_remote_code}
+    target = AutoModelForCausalLM.from_pretrained(recipe.target.model, **kw).eval()
+    draft = AutoModelForCausalLM.from_pretrained(best, **kw).eval()
+    return run_bench(
+        target, draft, AutoTokenizer.from_pretrained(recipe.target.model), list(prompts),
+        target_name=recipe.target.model, draft_name=str(best), max_new_tokens=ev.max_new_tokens,
+        temperature=ev.temperature, top_p=ev.top_p, top_k=ev.top_k, num_draft_tokens=ev.num_draft_tokens,
+        batch_size=ev.batch_size, repeats=ev.repeats, seed=recipe.train.seed,
+        baselines=("target", "hf") if ev.hf_assisted and ev.batch_size == 1 else ("target",), progress=False,
+    )  # fmt: skip
+
+
+def _bench_vllm(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype: str) -> dict:
+    from decode.vllm_engine import bench_in_subprocess, draft_dir_for_vllm
+
+    with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as tmp:
+        draft_dir = draft_dir_for_vllm(recipe.target.model, str(best), dtype, Path(tmp))
+        settings = _bench_settings(recipe, dtype)
+        return bench_in_subprocess(
+            recipe.target.model, draft_dir, prompts, settings=settings, out_json=Path(tmp) / "e.json"
+        )
+
+
+def measure_extra_engines(best: Path, recipe: Recipe, prompts: Sequence[dict]) -> list[Path]:
+    """``best/eval_<engine>.json`` for every engine of ``eval.extra_engines`` other than ``eval.engine``
+    (whose figures are ``best/eval.json``), measured on the same prompts and settings. Returns the files."""
+    benches = {"draftsmith": _bench_draftsmith, "vllm": _bench_vllm}
+    written = []
+    engines = [e for e in dict.fromkeys(recipe.eval.extra_engines) if e != recipe.eval.engine]
+    if not engines:
+        return written
+    measured = json.loads((best / "eval.json").read_text())
+    dtype = measured.get("dtype") or "float32"  # the eval's own dtype: every engine sees the same weights
+    for engine in engines:
+        result = benches[engine](best, recipe, prompts, dtype)
+        result["draft"] = str(best)
+        out = best / f"eval_{engine}.json"
+        tmp_out = out.with_suffix(".json.tmp")
+        tmp_out.write_text(json.dumps(result, indent=2) + "\n")
+        tmp_out.replace(out)  # never a half-written eval file
+        written.append(out)
+    return written

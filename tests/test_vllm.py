@@ -1,0 +1,323 @@
+"""vLLM as a second measuring engine (decode/vllm_engine.py, ``--engine vllm``, ``eval.engine``).
+
+The figures from vLLM's counters and the paired timings are pure functions, tested everywhere. The integration
+tests load real tiny pairs in vLLM (``method: draft_model``) and skip, with the install line as the reason,
+wherever ``import vllm`` fails for any reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import VOCAB, make_prompts, make_tokenizer
+
+from decode.vllm_engine import (
+    INSTALL,
+    PER_POS,
+    acceptance_from_counters,
+    bench_in_subprocess,
+    counter_delta,
+    speedup_ci95,
+    vllm_problem,
+)
+from distill.config import RecipeError, load_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+PAIR = SHARED / "fixtures" / "stdlib-pair"
+DEV_PROMPTS = SHARED / "data" / "stdlib-dev-prompts.jsonl"
+CONTRACT_KEYS = {
+    "target", "draft", "n_prompts", "new_tokens", "temperature", "batch_size", "num_draft_tokens",
+    "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "mean_num_draft_tokens",
+    "draft_cost_ratio", "verify_cost_ratio", "leviathan_bound", "theoretical_speedup", "tokens_per_s", "speedup",
+    "outputs_match_target", "engine", "engine_version", "hf_assisted_settings",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def vllm_ok():
+    problem = vllm_problem()
+    if problem is not None:
+        pytest.skip(problem)
+
+
+def make_vllm_pair(root: Path) -> tuple[str, str]:
+    """tests/tiny.py's pair, with one 64-wide attention head (vLLM's CPU attention has no kernel for head_dim 16)
+    and the target's embedding padded past its tokenizer (as Qwen's are): the draft's config vocab_size (320)
+    then differs from the target's (384), which vLLM rejects unless the draft is first saved with the target's."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=1, num_key_value_heads=1,
+                  max_position_embeddings=512, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                  tie_word_embeddings=True, initializer_range=0.2)  # fmt: skip
+    target = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, vocab_size=VOCAB, **common)).eval()
+    draft = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, vocab_size=VOCAB, **common)).eval()
+    # The draft shares the target's embedding and first layer: a weak but not useless guesser.
+    draft.load_state_dict(target.state_dict(), strict=False)
+    target.resize_token_embeddings(384, mean_resizing=False)
+    with torch.no_grad():  # padded rows as trained models have them: never the argmax (mean row, mean logit)
+        target.get_input_embeddings().weight[VOCAB:] = target.get_input_embeddings().weight[:VOCAB].mean(0)
+    paths = []
+    for name, model in (("target", target), ("draft", draft)):
+        model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model.save_pretrained(root / name)
+        make_tokenizer(root / name)
+        paths.append(str(root / name))
+    return paths[0], paths[1]
+
+
+@pytest.fixture(scope="module")
+def padded_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-pair")
+    target, draft = make_vllm_pair(root)
+    return target, draft, make_prompts(root / "prompts.jsonl", 4, chars=60)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure functions
+# ---------------------------------------------------------------------------------------------------------------
+def test_acceptance_from_vllm_counters():
+    # 10 drafts of 4: position 1 accepted 8 times, then 6, 3, 1 (a token is judged only after all before it).
+    counters = {
+        "vllm:spec_decode_num_drafts": 10,
+        "vllm:spec_decode_num_draft_tokens": 40,
+        "vllm:spec_decode_num_accepted_tokens": 18,
+        PER_POS: [8, 6, 3, 1],
+    }
+    got = acceptance_from_counters(counters)
+    assert got["acceptance_rate"] == pytest.approx(18 / 40)
+    assert got["mean_accepted_length"] == pytest.approx(1 + 18 / 10)
+    assert got["per_position_acceptance"] == pytest.approx([0.8, 6 / 8, 3 / 6, 1 / 3])
+    assert got["mean_num_draft_tokens"] == 4.0
+    empty = acceptance_from_counters({**counters, **dict.fromkeys(counters, 0), PER_POS: [0, 0]})
+    assert empty["acceptance_rate"] == 0.0 and empty["per_position_acceptance"] == [0.0, 0.0]
+
+
+def test_counter_delta_counts_only_between_snapshots():
+    before = {"vllm:spec_decode_num_drafts": 3, "vllm:spec_decode_num_draft_tokens": 12, PER_POS: [2, 1]}
+    after = {
+        "vllm:spec_decode_num_drafts": 5,
+        "vllm:spec_decode_num_draft_tokens": 20,
+        "vllm:spec_decode_num_accepted_tokens": 4,
+        PER_POS: [4, 2],
+    }
+    assert counter_delta(before, after) == {
+        "vllm:spec_decode_num_drafts": 2,
+        "vllm:spec_decode_num_draft_tokens": 8,
+        "vllm:spec_decode_num_accepted_tokens": 4,
+        PER_POS: [2, 1],
+    }
+
+
+def test_speedup_ci95_brackets_the_paired_ratio():
+    target_s = [1.0, 2.0, 1.5, 1.2, 0.8, 1.1]
+    spec_s = [t / 2 * (1 + 0.05 * (i % 3 - 1)) for i, t in enumerate(target_s)]
+    tokens = [64.0] * len(target_s)
+    lo, hi = speedup_ci95(spec_s, target_s, tokens, tokens)
+    point = (sum(tokens) / sum(spec_s)) / (sum(tokens) / sum(target_s))
+    assert lo <= point <= hi and 1.8 < lo and hi < 2.2
+    assert speedup_ci95(spec_s[:1], target_s[:1], tokens[:1], tokens[:1]) is None
+
+
+def test_recipe_engine_keys_are_validated():
+    recipe = load_recipe(None, ["eval.engine=vllm", "eval.extra_engines=[vllm]"])
+    assert recipe.eval.engine == "vllm" and recipe.eval.extra_engines == ["vllm"]
+    assert load_recipe(None).eval.engine == "draftsmith" and load_recipe(None).eval.extra_engines == []
+    with pytest.raises(RecipeError, match="eval.engine: unknown engine 'vlm'; choose one of draftsmith, vllm"):
+        load_recipe(None, ["eval.engine=vlm"])
+    with pytest.raises(RecipeError, match="eval.extra_engines: unknown engine 'sglang'; choose from draftsmith, vllm"):
+        load_recipe(None, ["eval.extra_engines=[vllm,sglang]"])
+
+
+def _broken_vllm_env(tmp_path) -> dict:
+    """An environment in which ``import vllm`` fails the way a broken install does."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "vllm.py").write_text("raise ImportError('libtorchcodec.so: cannot open shared object file')\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), str(REPO)])}
+
+
+def test_broken_vllm_is_one_error_line_with_the_install_command(tmp_path, monkeypatch, padded_pair):
+    target, draft, prompts = padded_pair
+    env = _broken_vllm_env(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    assert vllm_problem() == f"vLLM is not importable (ImportError: libtorchcodec.so: cannot open shared object " \
+        f"file); install it with: {INSTALL}"  # fmt: skip
+    cmd = [sys.executable, "-m", "decode", "bench", "--engine", "vllm", "--target", target, "--draft", draft,
+           "--prompts", str(prompts), "--max-new-tokens", "8", "--json", str(tmp_path / "out.json")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: vLLM is not importable") and INSTALL in lines[0]
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_vllm_engine_rejects_auto_draft_length(tmp_path, padded_pair):
+    target, draft, prompts = padded_pair
+    cmd = [sys.executable, "-m", "decode", "bench", "--engine", "vllm", "--target", target, "--draft", draft,
+           "--prompts", str(prompts), "--num-draft-tokens", "auto"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: --engine vllm needs a fixed --num-draft-tokens (an int; vLLM has no adaptive draft length), got 'auto'"
+    )
+
+
+@pytest.mark.parametrize("wrap", ["plain", "peft"])
+def test_decoder_kv_cache_is_filled_on_the_installed_transformers(wrap):
+    """vLLM pins an older transformers (5.19: forwards take ``past_key_values=``; newer ones ``cache=``), and a
+    wrong keyword is swallowed silently: the decoder's streams must fill their cache on whichever is installed,
+    through a PEFT wrapper too (LoRA drafts are evaluated wrapped)."""
+    import inspect
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from decode.speculative import KVStream
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    takes = [k for k in ("cache", "past_key_values") if k in inspect.signature(LlamaForCausalLM.forward).parameters]
+    if wrap == "peft":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).eval()
+    stream = KVStream(model, batch_size=1, vocab=64)
+    assert [stream.cache_kw] == takes
+    with torch.inference_mode():
+        stream.feed(torch.arange(5)[None], None, keep=1)
+        stream.feed(torch.tensor([[7]]), None, keep=1)
+    assert stream.cache.get_seq_length() == 6
+
+
+def test_draft_saved_for_vllm_is_plain_padded_and_in_the_target_dtype(tmp_path):
+    """A LoRA draft (as evaluated: adapters merged) is saved as a plain checkpoint vLLM can load, padded to the
+    target's vocab_size, in the target's dtype; the draft in training keeps its adapters, dtype and vocab."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    from decode.vllm_engine import save_draft_for_vllm
+
+    target_dir, draft_dir = make_vllm_pair(tmp_path)
+    tokenizer = make_tokenizer(tmp_path / "tok")
+    draft = get_peft_model(LlamaForCausalLM.from_pretrained(draft_dir), LoraConfig(r=2, target_modules=["q_proj"]))
+    torch.nn.init.normal_(draft.base_model.model.model.layers[0].self_attn.q_proj.lora_B.default.weight)
+    draft.merge_adapter()
+    merged_q = draft.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
+    out = save_draft_for_vllm(draft, tokenizer, AutoConfig.from_pretrained(target_dir), tmp_path / "v", torch.bfloat16)
+    weights = load_file(out / "model.safetensors")
+    assert not [k for k in weights if "lora" in k or "base_layer" in k]
+    assert weights["model.embed_tokens.weight"].shape[0] == 384 and LlamaConfig.from_pretrained(out).vocab_size == 384
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], merged_q.to(torch.bfloat16))
+    assert hasattr(draft, "peft_config") and next(draft.parameters()).dtype == torch.float32
+    assert draft.get_input_embeddings().weight.shape[0] == VOCAB
+
+
+def test_draftsmith_as_extra_engine_next_to_vllm(tmp_path, padded_pair):
+    """eval.engine=vllm with eval.extra_engines=[draftsmith]: draftsmith's own bench of best/ is
+    best/eval_draftsmith.json (no vLLM needed)."""
+    import shutil
+
+    from decode.bench import load_prompts
+    from distill.engines import measure_extra_engines
+
+    target, draft, prompt_file = padded_pair
+    best = tmp_path / "best"
+    shutil.copytree(draft, best)
+    (best / "eval.json").write_text(json.dumps({"engine": "vllm", "dtype": "float32"}))
+    overrides = [f"target.model={target}", "eval.engine=vllm", "eval.extra_engines=[draftsmith,vllm]",
+                 "eval.max_new_tokens=8", "eval.num_draft_tokens=2", "eval.hf_assisted=false"]  # fmt: skip
+    recipe = load_recipe(None, overrides)
+    assert measure_extra_engines(best, recipe, load_prompts(prompt_file)[:2]) == [best / "eval_draftsmith.json"]
+    result = json.loads((best / "eval_draftsmith.json").read_text())
+    assert result["engine"] == "draftsmith" and result["outputs_match_target"] is True
+    assert result["n_prompts"] == 2 and result["draft"] == str(best) and result["dtype"] == "float32"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM integration (skips where vLLM cannot be imported)
+# ---------------------------------------------------------------------------------------------------------------
+def _check_result(result: dict, gamma: int) -> None:
+    assert CONTRACT_KEYS <= set(result)
+    assert result["engine"] == "vllm" and result["engine_version"]
+    assert result["outputs_match_target"] is True, result["greedy_agreement"]
+    assert 0 < result["acceptance_rate"] <= 1
+    assert 1 < result["mean_accepted_length"] <= gamma + 1
+    assert len(result["per_position_acceptance"]) == gamma
+    assert all(0 <= a <= 1 for a in result["per_position_acceptance"])
+    assert result["tokens_per_s"]["speculative"] > 0 and result["tokens_per_s"]["target"] > 0
+    assert result["speedup"]["vs_target"] > 0 and result["tokens_per_s"]["hf_assisted"] is None
+
+
+@pytest.mark.slow
+def test_extra_engine_measures_best_in_vllm(vllm_ok, tmp_path, padded_pair):
+    """eval.extra_engines=[vllm]: best/eval_vllm.json next to eval.json, through ``python -m decode bench --engine
+    vllm --json``, for a draft whose vocab_size differs from the target's (saved padded for vLLM first)."""
+    import shutil
+
+    from decode.bench import load_prompts
+    from distill.engines import measure_extra_engines
+
+    target, draft, prompt_file = padded_pair
+    best = tmp_path / "best"
+    shutil.copytree(draft, best)
+    (best / "eval.json").write_text(json.dumps({"engine": "draftsmith", "dtype": "float32"}))
+    overrides = [f"target.model={target}", f"draft.model={draft}", "eval.max_new_tokens=24",
+                 "eval.num_draft_tokens=3", "eval.extra_engines=[vllm]"]  # fmt: skip
+    recipe = load_recipe(None, overrides)
+    assert measure_extra_engines(best, recipe, load_prompts(prompt_file)) == [best / "eval_vllm.json"]
+    result = json.loads((best / "eval_vllm.json").read_text())
+    _check_result(result, gamma=3)
+    assert result["n_prompts"] == 4 and result["greedy_agreement"]["rows"] == 4
+    assert result["dtype"] == "float32" and result["draft"] == str(best)
+    assert sorted(p.name for p in best.glob("eval*")) == ["eval.json", "eval_vllm.json"]
+    assert json.loads((best / "config.json").read_text())["vocab_size"] == 320  # best/ itself is untouched
+
+
+@pytest.mark.slow
+def test_training_eval_with_vllm_measures_the_draft_as_served(vllm_ok, tmp_path, padded_pair):
+    """eval.engine=vllm: a float32 draft next to a bfloat16 target is measured in bfloat16, with the target's
+    vocab_size, and the draft in training is left as it was."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decode.bench import load_prompts
+    from distill.training import evaluate
+
+    target_dir, draft_dir, prompt_file = padded_pair
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    overrides = [f"target.model={target_dir}", f"draft.model={draft_dir}", "eval.engine=vllm",
+                 "eval.max_new_tokens=16", "eval.num_draft_tokens=2"]  # fmt: skip
+    recipe = load_recipe(None, overrides)
+    prompts = load_prompts(prompt_file)[:2]
+    result = evaluate(target, draft, tokenizer, prompts, recipe, samples_out=tmp_path / "samples.jsonl")
+    _check_result(result, gamma=2)
+    assert result["dtype"] == "bfloat16" and result["draft"] == draft_dir
+    assert next(draft.parameters()).dtype == torch.float32 and draft.config.vocab_size == 320
+    methods = [json.loads(line)["method"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert sorted(methods) == ["speculative", "speculative", "target", "target"]
+
+
+@pytest.mark.slow
+@pytest.mark.shared
+def test_reference_pair_in_vllm_matches_target_only(vllm_ok, tmp_path):
+    from decode.bench import load_prompts
+
+    settings = {"max_new_tokens": 32, "num_draft_tokens": 4, "repeats": 1, "dtype": "float32"}
+    prompts = load_prompts(DEV_PROMPTS)[:4]
+    result = bench_in_subprocess(
+        str(PAIR / "target"), str(PAIR / "draft"), prompts, settings=settings, out_json=tmp_path / "o.json"
+    )
+    _check_result(result, gamma=4)
+    assert result["acceptance_rate"] > 0.3  # a trained draft, not a chance guesser
