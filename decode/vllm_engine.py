@@ -143,7 +143,7 @@ def save_draft_for_vllm(draft, tokenizer, target_config, out_dir: str | Path, dt
     rejects a draft whose vocab_size differs). The draft itself is untouched."""
     import copy
 
-    from distill.publish import match_vocab
+    from distill.draft_folder import match_vocab
 
     out_dir = Path(out_dir)
     model = copy.deepcopy(draft)
@@ -318,7 +318,8 @@ def run_vllm_bench(
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    from decode.bench import _load_avg, encode_prompts
+    from decode.bench import _load_avg
+    from decode.prompts import encode_prompts
 
     if not prompts:
         raise ValueError("no prompts to bench")
