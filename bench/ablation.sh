@@ -6,7 +6,7 @@
 #   MINUTES=2 LOSSES="fkl tvd" SOURCES="target" bash bench/ablation.sh eval.num_prompts=20   # extra overrides
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/draftsmith-ablation}
+OUT=${OUT:-runs/ablation}
 MINUTES=${MINUTES:-4}
 PROMPTS=${PROMPTS:-1000}  # target continuations are generated once (shared cache) and reused by every run
 LOSSES=${LOSSES:-"fkl rkl jsd tvd"}

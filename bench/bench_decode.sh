@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Reproduce the decoder figures of docs/results.md: the reference pair ($SHARED/fixtures/stdlib-pair), 30 dev prompts,
+# Reproduce the decoder figures of docs/results.md: the stdlib reference pair ($PAIR, built by the recipes
+# in recipes/pretrain; docs/data.md builds its prompt files), 30 eval prompts,
 # 64 new tokens, this CPU. Greedy batch 1 at gamma 3/4/5/auto (vs target-only and HF assisted generation) in the
 # default dtype (bf16 on a CPU with native bf16) and in float32 (gamma 3/auto), temperature 0.8, and greedy
-# batch 4. JSON + plots go to $OUT (default /tmp/draftsmith-bench), nothing into the repo.
+# batch 4. JSON + plots go to $OUT (default runs/bench-decode).
 #
 #   bash bench/bench_decode.sh            # all runs (~35 min on 2 CPU cores)
 #   LIMIT=5 REPEATS=1 bash bench/bench_decode.sh   # quick look
 #   RUNS="greedy_g3 greedy_fp32_g3" bash bench/bench_decode.sh   # only these runs (names below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SHARED=${SHARED:-../shared}
-OUT=${OUT:-/tmp/draftsmith-bench}
+PAIR=${PAIR:-runs/stdlib-pair}
+PROMPTS=${PROMPTS:-$PAIR/prompts/stdlib-eval.jsonl}
+OUT=${OUT:-runs/bench-decode}
 LIMIT=${LIMIT:-30}
 REPEATS=${REPEATS:-3}
 RUNS=${RUNS:-all}
@@ -19,8 +21,8 @@ export HF_HUB_OFFLINE=1
 # (10x slower forwards); one thread gives stable ratios. THREADS=2 on a quiet machine.
 export OMP_NUM_THREADS=${THREADS:-1}
 mkdir -p "$OUT"
-common=(--target "$SHARED/fixtures/stdlib-pair/target" --draft "$SHARED/fixtures/stdlib-pair/draft"
-        --prompts "$SHARED/data/stdlib-dev-prompts.jsonl" --limit "$LIMIT" --repeats "$REPEATS" --max-new-tokens 64)
+common=(--target "$PAIR/target" --draft "$PAIR/draft"
+        --prompts "$PROMPTS" --limit "$LIMIT" --repeats "$REPEATS" --max-new-tokens 64)
 
 run() {  # name, extra args...
     local name=$1; shift

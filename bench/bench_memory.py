@@ -2,7 +2,7 @@
 
     HF_HUB_OFFLINE=1 python bench/bench_memory.py --json bench_memory.json
 
-Configurations: {reference target `../shared/fixtures/stdlib-pair/target` (30M Llama), a larger random-init Llama
+Configurations: {reference target `$PAIR/target` (30M Llama; default runs/stdlib-pair), a larger random-init Llama
 built here from `LARGE_CONFIG` (hidden 1024, 10 layers, intermediate 2816, vocab 8192, ~137M parameters, the
 reference tokenizer)} x {bf16, nf4}. The draft is always the reference draft (`stdlib-pair/draft`, float32, full
 weights). Every target loads through the product's own path, `distill.models.load_target(ModelConfig(...))`; nf4
@@ -19,14 +19,14 @@ In each worker, three phases, the process's RSS high-water mark reset before eac
   batch: `decode.speculative.speculative_generate(target, draft)` (gamma 5) and `target_generate`, after a short
   warm-up of each; tokens/s = emitted tokens / wall time. Runs before distillation so the draft is the reference one.
 * distill: `--steps` (default 3) AdamW steps of the draft on one batch of 8 x 192 tokens packed from
-  `../shared/data/stdlib-train-prompts.jsonl`: teacher forward under no_grad, draft forward/backward,
+  `$PAIR/prompts/stdlib-train.jsonl`: teacher forward under no_grad, draft forward/backward,
   `distill.losses.distill_loss` (forward KL, every position), optimizer step. tokens/s over the steps after the
   first (the first is a warm-up), counting batch x seq tokens per step.
 
 On CUDA the workers also report `torch.cuda.max_memory_allocated()` per phase; on CPU the memory columns are RSS
 only (the whole process: Python, torch, both models, activations, optimizer state). Options: `--threads N`
 (torch.set_num_threads; default torch's choice), `--steps`, `--models ref,large`, `--dtypes bf16,nf4`.
-Exits 0 with a message when ../shared is absent.
+Exits 0 with a message when the pair or its prompt files are absent.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # workers import decode/distill from a source checkout without installing
-SHARED = ROOT.parent / "shared"
-PAIR = SHARED / "fixtures" / "stdlib-pair"
-TRAIN_PROMPTS = SHARED / "data" / "stdlib-train-prompts.jsonl"
-DEV_PROMPTS = SHARED / "data" / "stdlib-dev-prompts.jsonl"
+# The stdlib reference pair and its prompt files as recipes/pretrain and docs/data.md build them; PAIR=DIR elsewhere.
+PAIR = Path(os.environ.get("PAIR", ROOT / "runs" / "stdlib-pair"))
+TRAIN_PROMPTS = Path(os.environ.get("TRAIN_PROMPTS", PAIR / "prompts" / "stdlib-train.jsonl"))
+DEV_PROMPTS = Path(os.environ.get("DEV_PROMPTS", PAIR / "prompts" / "stdlib-eval.jsonl"))
 
 # The larger random-init target: the reference architecture scaled up (same vocabulary and special ids).
 LARGE_CONFIG = dict(
@@ -322,7 +322,7 @@ def main() -> int:
         return 0
 
     if not (PAIR / "target").is_dir() or not TRAIN_PROMPTS.is_file() or not DEV_PROMPTS.is_file():
-        print(f"skipped: {SHARED} (reference pair and prompt sets) is absent")
+        print(f"skipped: {PAIR} (reference pair and its prompt files) is absent; set PAIR=DIR")
         return 0
 
     start = time.perf_counter()

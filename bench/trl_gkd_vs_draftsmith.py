@@ -434,7 +434,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=6.0, help="training wall-clock of each side (default: 6)")
     p.add_argument("--fractions", default="0.333,0.667,1.0", help="draftsmith budgets as fractions of --minutes")
     p.add_argument("--eval-prompts", type=int, default=30, help="first N dev prompts to evaluate on (default: 30)")
-    p.add_argument("--out", default="/tmp/draftsmith-trl", help="run directories and logs (replaced)")
+    p.add_argument("--out", default="runs/trl-vs-draftsmith", help="run directories and logs (replaced)")
     p.add_argument("--json", help="write the results as JSON here")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each subprocess (default: 1)")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
