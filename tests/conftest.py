@@ -1,9 +1,11 @@
-"""Shared test setup: offline, W&B offline, and where the shared fixtures (reference pair, prompt sets) live."""
+"""Shared test setup: offline, W&B offline, one torch thread, and where the shared fixtures (reference pair, prompt
+sets) live. The tiny tokenizers and models are built by tests/tiny.py."""
 
 import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -24,3 +26,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "shared" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """Tiny models: thread hand-offs cost more than they save, and on a shared machine two threads each can be
+    100x slower than one. Session-wide, so that module fixtures that build and run models are covered too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,11 +1,9 @@
-"""Helpers for the decode tests: hand-built fixed-logit models and tiny random HF models of each architecture.
-
-Nothing is downloaded; every model is built from a config in memory.
+"""Helpers for the decode tests: hand-built models whose logits are a fixed function of the input, left-padded
+batches and ``generate``'s greedy reference. Tiny real models and tokenizers are in tests/tiny.py.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -13,9 +11,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from tests.tiny import CHAR_VOCAB
 
-VOCAB = 97
+VOCAB = CHAR_VOCAB  # the char tokenizer's, so fixed-logit and tiny real models share one vocabulary
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -94,73 +92,8 @@ def bigram_sequence_probs(table: torch.Tensor, first: int, n: int, process) -> t
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Tiny random HF models of every seed-pair architecture
+# Batches and references
 # ---------------------------------------------------------------------------------------------------------------
-def _common(vocab: int) -> dict:
-    return dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,  # tied random embeddings make tiny models echo their input token
-    )
-
-
-def arch_config(arch: str, vocab: int = VOCAB) -> PretrainedConfig:
-    """A 2-layer, 64-dim config of ``arch`` (sliding windows small enough that tests cross them)."""
-    import transformers as tf
-
-    c = _common(vocab)
-    if arch == "llama":
-        return tf.LlamaConfig(**c, num_key_value_heads=2)
-    if arch == "gemma":
-        return tf.GemmaConfig(**c, num_key_value_heads=1, head_dim=16)
-    if arch == "gemma2":
-        # Sliding window + attention and final-logit soft-capping; alternating sliding / full layers.
-        return tf.Gemma2Config(
-            **c,
-            num_key_value_heads=2,
-            head_dim=16,
-            sliding_window=8,
-            attn_logit_softcapping=50.0,
-            final_logit_softcapping=30.0,
-        )
-    if arch == "gpt_neox":
-        c.pop("pad_token_id")
-        return tf.GPTNeoXConfig(**c, rotary_pct=0.25)
-    if arch == "mistral":
-        return tf.MistralConfig(**c, num_key_value_heads=2, sliding_window=8)
-    if arch == "mixtral":
-        return tf.MixtralConfig(**c, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
-    if arch == "qwen2":
-        return tf.Qwen2Config(**c, num_key_value_heads=2)
-    raise ValueError(arch)
-
-
-ARCHS = ["llama", "gemma", "gemma2", "gpt_neox", "mistral", "mixtral", "qwen2"]
-
-
-def tiny_pair(arch: str, seed: int = 0, noise: float = 0.6, vocab: int = VOCAB) -> tuple[nn.Module, nn.Module]:
-    """A random tiny target and a draft = target with weight noise (so acceptance is partial), float32, eval."""
-    from transformers import AutoModelForCausalLM
-
-    config = arch_config(arch, vocab)
-    torch.manual_seed(seed)
-    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    draft.load_state_dict(target.state_dict())
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std().clamp_min(1e-3))
-    return target, draft
-
-
 def left_pad(prompts: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad 1-D prompts into ``[B, L]`` ids and mask."""
     width = max(len(p) for p in prompts)
@@ -178,42 +111,3 @@ def hf_greedy(model: nn.Module, ids: torch.Tensor, max_new_tokens: int) -> list[
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None
     )
     return out[0, ids.shape[1] :].tolist()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# A character-level tokenizer (id 0 = <|endoftext|> = eos = pad, like the reference pair) and a saved tiny pair
-# ---------------------------------------------------------------------------------------------------------------
-CHARS = "\n" + "".join(chr(i) for i in range(32, 127))  # 96 characters + <|endoftext|> = VOCAB
-
-
-def char_tokenizer(chat_template: str | None = None):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>", bos_token="<|endoftext|>"
-    )
-    if chat_template is not None:
-        tok.chat_template = chat_template
-    return tok
-
-
-def save_tiny_pair(root, arch: str = "llama") -> tuple[str, str]:
-    """Save a tiny target/draft pair (with the char tokenizer, eos = pad = 0) under ``root``; return the paths."""
-    from pathlib import Path
-
-    target, draft = tiny_pair(arch, noise=0.1)
-    tok = char_tokenizer()
-    paths = []
-    for name, model in (("target", target), ("draft", draft)):
-        model.config.eos_token_id = model.config.pad_token_id = model.config.bos_token_id = 0
-        model.generation_config.eos_token_id = model.generation_config.pad_token_id = 0
-        out = Path(root) / name
-        model.save_pretrained(out)
-        tok.save_pretrained(out)
-        paths.append(str(out))
-    return paths[0], paths[1]

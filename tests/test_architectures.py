@@ -29,7 +29,8 @@ import pytest
 import torch
 import yaml
 
-from tests.tiny import VOCAB, make_prompts, make_tokenizer
+from tests.tiny import BPE_VOCAB as VOCAB
+from tests.tiny import make_prompts, make_tokenizer, tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -50,46 +51,13 @@ ARCHS = {
 NOISE = 0.05  # draft = target + NOISE * std(weight) * N(0, 1): partial acceptance at initializer_range 0.2
 
 
-def tiny_config(model_type: str, vocab_size: int):
-    """2 layers, hidden 64, 4 heads of 16, intermediate 128, 256 positions; the arch's special features on."""
-    import transformers as tf
+def arch_config(model_type: str, vocab_size: int):
+    """tests/tiny.py's 2-layer, 64-dim config of the arch, with ids 0 and 256 positions.
 
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        bos_token_id=EOS,
-        eos_token_id=EOS,
-        pad_token_id=EOS,
-        tie_word_embeddings=False,  # tied random embeddings make tiny models echo their input token
-        initializer_range=0.2,  # at 0.02 random models just repeat the last token: equality would be trivial
-    )
-    if model_type == "llama":
-        return tf.LlamaConfig(**common, num_key_value_heads=2)
-    if model_type == "gemma":
-        return tf.GemmaConfig(**common, num_key_value_heads=1, head_dim=16)
-    if model_type == "gemma2":
-        # Alternating sliding (window 16 < prompt + new tokens) and global layers, attention and final soft-capping.
-        return tf.Gemma2Config(
-            **common,
-            num_key_value_heads=2,
-            head_dim=16,
-            sliding_window=16,
-            attn_logit_softcapping=50.0,
-            final_logit_softcapping=30.0,
-        )
-    if model_type == "gpt_neox":
-        return tf.GPTNeoXConfig(**common, rotary_pct=0.25)  # Pythia: partial rotary, parallel residual
-    if model_type == "mistral":
-        return tf.MistralConfig(**common, num_key_value_heads=2, sliding_window=16)
-    if model_type == "mixtral":
-        return tf.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
-    if model_type == "qwen2":
-        return tf.Qwen2Config(**common, num_key_value_heads=2)
-    raise ValueError(model_type)
+    Sliding windows of 16 (< prompt + new tokens) so decoding crosses them; initializer range 0.2, because at 0.02
+    random models just repeat the last token and equality would be trivial.
+    """
+    return tiny_config(model_type, vocab_size, special_id=EOS, window=16, initializer_range=0.2)
 
 
 def _draft_from_target(target, draft, gen: torch.Generator) -> None:
@@ -124,8 +92,8 @@ def build_pair(arch: str, root: Path, tokenizer) -> dict:
 
     t_type, d_type, t_vocab, d_vocab = ARCHS[arch]
     torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(tiny_config(t_type, t_vocab), dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_config(tiny_config(d_type, d_vocab), dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_config(arch_config(t_type, t_vocab), dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_config(arch_config(d_type, d_vocab), dtype=torch.float32).eval()
     with torch.no_grad():
         _draft_from_target(target, draft, torch.Generator().manual_seed(1))
         for model in (target, draft):
@@ -138,15 +106,6 @@ def build_pair(arch: str, root: Path, tokenizer) -> dict:
         model.save_pretrained(paths[name])
         tokenizer.save_pretrained(paths[name])
     return {"arch": arch, "target": paths["target"], "draft": paths["draft"], "vocab": (t_vocab, d_vocab)}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: on a shared 2-core machine two threads each can be 100x slower than one.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +196,7 @@ def test_decode_greedy_equals_generate(arch, assets, pair):
 # ---------------------------------------------------------------------------------------------------------------
 def env() -> dict:
     e = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
-    e.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # see _one_thread; two jobs run at once
+    e.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # see conftest's _one_thread; two jobs run at once
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
     e.pop("WANDB_DIR", None)
     return e

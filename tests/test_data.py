@@ -19,16 +19,7 @@ from distill.data import (
     render_completion,
     split_rows,
 )
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: thread hand-offs cost more than they save, and a shared 2-core box makes it far worse."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+from tests.tiny import bpe_tokenizer, tiny_llama
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -36,33 +27,22 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_tokenizer(bos: bool = False, chat: bool = False) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained in memory; id 0 = <|endoftext|> (eos, and pad once load_tokenizer ran)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+SPECIALS = ["<s>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]  # ids 1-5
 
-    specials = ["<|endoftext|>", "<s>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tk.train_from_iterator(["def f(x):\n    return x + 1\n", "hello world, the quick brown fox"] * 5, trainer)
-    if bos:
-        tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
+
+def tiny_tokenizer(bos: bool = False, chat: bool = False) -> PreTrainedTokenizerFast:
+    """320-token BPE of two snippets; id 0 = <|endoftext|> = eos = pad.
+
+    `bos` prepends <s> to every encoding; `chat` sets CHAT_TEMPLATE, whose bos is <s>.
+    """
+    return bpe_tokenizer(
+        320,
+        ["def f(x):\n    return x + 1\n", "hello world, the quick brown fox"],
+        specials=SPECIALS,
         bos_token="<s>" if bos or chat else None,
-        additional_special_tokens=specials[2:],
+        add_bos=bos,
+        chat_template=CHAT_TEMPLATE if chat else None,
     )
-    if chat:
-        tok.chat_template = CHAT_TEMPLATE
-    return tok
 
 
 def _write(path, lines):
@@ -286,12 +266,7 @@ def test_collate_training_masks_from_lengths_not_ids():
 
 def test_training_batch_gives_the_unpadded_loss():
     """Right padding leaves positions alone: a padded row's masked logits equal its unpadded forward's."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    ).eval()
+    model = tiny_llama(32, seed=0, special_id=None)
     pairs = [([3, 4, 5, 6], [7, 0, 9]), ([3], [0])]
     batch = collate_training(pairs, pad_token_id=0)
     with torch.no_grad():

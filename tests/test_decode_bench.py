@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from decode_helpers import char_tokenizer, save_tiny_pair, tiny_pair
+from conftest import DEV_PROMPTS, PAIR
 
 from decode.__main__ import main
 from decode.bench import greedy_agreement, run_bench
@@ -24,11 +24,9 @@ from decode.metrics import (
     theoretical_speedup,
 )
 from decode.prompts import encode_prompts, load_prompts
+from tests.tiny import char_tokenizer, save_tiny_pair, swap_ids, tiny_pair
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
-PAIR = SHARED / "fixtures" / "stdlib-pair"
-DEV_PROMPTS = SHARED / "data" / "stdlib-dev-prompts.jsonl"
 
 CONTRACT_KEYS = {
     "target", "draft", "n_prompts", "new_tokens", "temperature", "batch_size", "num_draft_tokens",
@@ -36,14 +34,6 @@ CONTRACT_KEYS = {
     "draft_cost_ratio", "verify_cost_ratio", "leviathan_bound", "theoretical_speedup", "tokens_per_s", "speedup",
     "outputs_match_target",
 }  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -332,16 +322,9 @@ def test_cli_errors_exit_2_with_one_line(tmp_path, saved_pair, capsys, case, mes
     if case == "vocab":
         # Same model, tokenizer with two ids swapped.
         other = tmp_path / "other"
-        tok = char_tokenizer()
-        vocab = tok.get_vocab()
-        swapped = {t: (i if i not in (5, 6) else 11 - i) for t, i in vocab.items()}
-        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+        from transformers import AutoModelForCausalLM
 
-        backend = Tokenizer(models.WordLevel(swapped, unk_token="<|endoftext|>"))
-        backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-        backend.decoder = decoders.Fuse()
-        PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(other)
+        swap_ids(char_tokenizer(), 5, 6).save_pretrained(other)
         AutoModelForCausalLM.from_pretrained(draft).save_pretrained(other)
         draft = str(other)
     path = str(tmp_path / "nope.jsonl") if case == "missing" else str(prompts)

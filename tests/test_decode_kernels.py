@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_helpers import VOCAB, tiny_pair
 
 from decode import kernels
 from decode.kernels import CpuLinears
+from tests.decode_helpers import VOCAB
+from tests.tiny import tiny_pair
 
 
 def _logits(model, ids):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_helpers import bigram_lm, bigram_sequence_probs
 
 import decode.acceptance as acceptance
 from decode.acceptance import accept_greedy, accept_sampled
 from decode.sampling import process_logits
 from decode.speculative import speculative_generate, target_generate
+from tests.decode_helpers import bigram_lm, bigram_sequence_probs
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,30 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_helpers import (
-    ARCHS,
-    VOCAB,
-    FixedLogitLM,
-    accept_k_draft,
-    counter_lm,
-    hf_greedy,
-    left_pad,
-    one_hot_logits,
-    tiny_pair,
-)
 
 from decode.compat import check_vocab_compatible
 from decode.kv_stream import KVStream
 from decode.speculative import speculative_generate, target_generate
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: one thread is faster and keeps timings stable when the machine is shared.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.decode_helpers import VOCAB, FixedLogitLM, accept_k_draft, counter_lm, hf_greedy, left_pad, one_hot_logits
+from tests.tiny import ARCHS, tiny_llama, tiny_pair, word_tokenizer
 
 
 def counter_continuation(last: int, n: int, vocab: int = VOCAB) -> list[int]:
@@ -244,16 +226,10 @@ def test_greedy_equals_generate(arch):
 # Vocabulary
 # ---------------------------------------------------------------------------------------------------------------
 def test_padded_target_embedding_works_on_shared_range():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    common = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=False
-    )
-    target = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB + 31, **common)).eval()  # padded like Qwen2.5-7B
+    target = tiny_llama(VOCAB + 31, seed=0, special_id=None)  # padded like Qwen2.5-7B
     with torch.no_grad():
         target.lm_head.weight[VOCAB:] = 0  # padding rows: never the argmax of real logits
-    draft = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, **common)).eval()
+    draft = tiny_llama(VOCAB, seed=None, special_id=None)
     with torch.no_grad():
         draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight[:VOCAB])
     assert check_vocab_compatible(target, draft) == VOCAB
@@ -284,14 +260,8 @@ def test_both_loops_decode_over_the_same_width():
 
 
 def _word_tokenizer(words: list[str], name: str):
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
-    backend.decoder = decoders.Fuse()  # decode without spaces between tokens
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
-    tok.name_or_path = name
-    return tok
+    """One token per word, decoded without spaces, named like a hub tokenizer."""
+    return word_tokenizer(words, fuse=True, name=name)
 
 
 def test_vocab_mismatch_names_both_tokenizers_and_first_differing_token():

@@ -99,18 +99,9 @@ def test_fsdp2_gathered_copy_equals_sharded_model_and_saves(tmp_path):
 
 
 def test_unsharded_draft_is_rank_0s_own():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny import tiny_llama
 
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=32,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-        )
-    )
+    model = tiny_llama(32, layers=1)
     assert not is_sharded(model)
     assert full_draft(model, model, is_main=True) is model  # nothing gathered, nothing copied
     assert full_draft(model, model, is_main=False) is None

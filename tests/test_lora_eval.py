@@ -14,14 +14,6 @@ from distill.training import _served_draft, evaluate
 from tests.tiny import make_pair, make_prompts
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("pair")

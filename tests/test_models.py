@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from decode.compat import cpu_has_native_bf16
 from distill.config import LoraConfig, ModelConfig, QuantConfig
@@ -19,43 +19,12 @@ from distill.models import (
     resolve_model_path,
     save_draft,
 )
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: thread hand-offs cost more than they save, and a shared 2-core box makes it far worse."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-TEXT = ["def f(x):\n    return x + 1\n", "hello world, the quick brown fox jumps", "import os\nprint(os.sep)\n"]
+from tests.tiny import SNIPPETS, bpe_tokenizer, swap_ids, tiny_llama
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained in memory; id 0 = <|endoftext|> = eos, no pad token (like the reference pair)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tk.train_from_iterator(TEXT * 5, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>")
-
-
-def tiny_llama(vocab_size: int, seed: int = 0, **kw) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    ids = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    config = LlamaConfig(vocab_size=vocab_size, **shape, **ids, **{"max_position_embeddings": 128, **kw})
-    return LlamaForCausalLM(config)
+    """300-token BPE of a few snippets; id 0 = <|endoftext|> = eos, no bos and no pad (like the reference pair)."""
+    return bpe_tokenizer(300, SNIPPETS, bos_token=None, pad_token=None)
 
 
 @pytest.fixture(scope="module")
@@ -322,16 +291,8 @@ def test_check_compatible_padded_target(pair):
 @requires_decode
 def test_check_compatible_real_mismatch(pair, tmp_path):
     tok = load_tokenizer(str(pair / "target"))
-    other = tiny_tokenizer()
-    vocab = other.get_vocab()
     # same size, two tokens swapped: a different tokenizer that a size check alone would accept
-    a, b = sorted(vocab, key=vocab.get)[100:102]
-    from tokenizers import Tokenizer
-
-    data = other.backend_tokenizer.to_str().replace(f'"{a}":', '"__A__":').replace(f'"{b}":', f'"{a}":')
-    swapped = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(data.replace('"__A__":', f'"{b}":')), eos_token="<|endoftext|>"
-    )
+    swapped = swap_ids(tiny_tokenizer(), 100, 101)
     target = load_target(ModelConfig(model=str(pair / "target")), device="cpu")
     draft = load_draft(ModelConfig(model=str(pair / "draft")), device="cpu")
     with pytest.raises(ValueError) as e:

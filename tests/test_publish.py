@@ -17,13 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from distill import publish as pub
 from distill.config import load_recipe, save_recipe
+from tests.tiny import tiny_llama, word_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "train" / "publish.py"
@@ -62,32 +60,15 @@ BASE = {
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """WordLevel over a few words + 4 specials, padded with unused words to DRAFT_VOCAB entries."""
+    """Word-level over a few words + 4 specials, padded with unused words to DRAFT_VOCAB entries."""
     words = WORDS + [f"w{i}" for i in range(DRAFT_VOCAB - 4 - len(WORDS))]
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(words)}}
-    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
+    specials = dict(pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return word_tokenizer([*specials.values(), *words], split="whitespace", **specials)
 
 
-def tiny_llama(vocab: int, seed: int, tie: bool = False) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=tie,
-    )
-    return LlamaForCausalLM(cfg).eval()
+def llama(vocab: int, seed: int, tie: bool = False) -> torch.nn.Module:
+    """A tiny Llama with the tokenizer's special ids and grouped-query attention (2 key/value heads)."""
+    return tiny_llama(vocab, seed, tie=tie, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +78,10 @@ def run_dir(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("publish")
     tok = tiny_tokenizer()
-    target = tiny_llama(TARGET_VOCAB, seed=0)
+    target = llama(TARGET_VOCAB, seed=0)
     target.save_pretrained(root / "target")
     tok.save_pretrained(root / "target")
-    draft = tiny_llama(DRAFT_VOCAB, seed=1, tie=True)
+    draft = llama(DRAFT_VOCAB, seed=1, tie=True)
     draft.save_pretrained(root / "draft")
     tok.save_pretrained(root / "draft")
 
@@ -111,13 +92,13 @@ def run_dir(tmp_path_factory) -> Path:
     recipe.draft.lora.enabled = True
     save_recipe(recipe, run)
 
-    best = tiny_llama(DRAFT_VOCAB, seed=2, tie=True)  # stands in for the distilled, merged draft
+    best = llama(DRAFT_VOCAB, seed=2, tie=True)  # stands in for the distilled, merged draft
     best.save_pretrained(run / "best")
     tok.save_pretrained(run / "best")
     (run / "best" / "eval.json").write_text(json.dumps(BEST))
 
     lora = get_peft_model(
-        tiny_llama(DRAFT_VOCAB, seed=1, tie=True),
+        llama(DRAFT_VOCAB, seed=1, tie=True),
         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
     )
     lora.peft_config["default"].base_model_name_or_path = str(root / "draft")
@@ -279,7 +260,7 @@ def test_fp32_draft_is_published_in_its_base_dtype(run_dir, tmp_path):
     import shutil
 
     base = tmp_path / "bf16-base"
-    config = tiny_llama(DRAFT_VOCAB, seed=0, tie=True).config
+    config = llama(DRAFT_VOCAB, seed=0, tie=True).config
     config.dtype = torch.bfloat16
     config.save_pretrained(base)  # the config is all publish reads of the base
     ckpt = tmp_path / "run" / "checkpoints" / "step-7"
@@ -373,7 +354,7 @@ def test_best_gamma(ev, gamma):
 
 
 def test_match_vocab_pads_with_mean_rows_and_truncates():
-    model = tiny_llama(DRAFT_VOCAB, seed=3)  # untied lm_head
+    model = llama(DRAFT_VOCAB, seed=3)  # untied lm_head
     head = model.lm_head.weight.detach().clone()
     pub.match_vocab(model, 56)
     assert model.config.vocab_size == 56 and model.lm_head.weight.shape[0] == 56

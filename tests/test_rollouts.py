@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from distill import rollouts
 from distill.config import DataConfig, DistillConfig, LoraConfig, ModelConfig, QuantConfig
@@ -18,59 +17,16 @@ from distill.rollouts import (
     pregenerate_target_rollouts,
     target_cache_settings,
 )
+from tests.tiny import SNIPPETS, bpe_tokenizer, tiny_llama
 
-TEXT = ["def f(x):\n    return x + 1\n", "hello world, the quick brown fox jumps", "import os\nprint(os.sep)\n"]
 PROMPTS = ["def f(x):", "hello world, the", "import os\nprint(", "the quick brown fox jumps over", "x"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: thread hand-offs cost more than they save, and a shared 2-core box makes it far worse."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tk.train_from_iterator(TEXT * 5, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>")
-
-
-def tiny_llama(vocab_size: int, seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=128,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-        )
-    )
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """Target padded 64 rows past the tokenizer (like Qwen2.5), draft at the tokenizer's size; id 0 = eos = pad."""
     root = tmp_path_factory.mktemp("pair")
-    tok = tiny_tokenizer()
+    tok = bpe_tokenizer(300, SNIPPETS, bos_token=None, pad_token=None)
     for name, vocab, seed in (("target", len(tok) + 64, 1), ("draft", len(tok), 2)):
         model = tiny_llama(vocab, seed)
         with torch.no_grad():
@@ -263,7 +219,7 @@ def test_rollout_source_without_cache(models, tmp_path):
 def test_generated_eos_stays_in_the_loss(models):
     """pad == eos == 0: a completion that is just an EOS must still give one loss position."""
     tok, target, draft, examples = models
-    eos_draft = tiny_llama(len(tok), 7).eval()
+    eos_draft = tiny_llama(len(tok), 7)
     head = torch.nn.Linear(64, len(tok), bias=True)  # a draft that always says EOS first
     with torch.no_grad():
         head.weight.copy_(eos_draft.lm_head.weight)
