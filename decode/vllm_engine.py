@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -103,25 +102,6 @@ def acceptance_from_counters(counters: dict) -> dict:
 
 def median_per_batch(samples: dict[int, list[float]]) -> list[float]:
     return [statistics.median(samples[b]) for b in sorted(samples)]
-
-
-def speedup_ci95(
-    spec_s: Sequence[float], target_s: Sequence[float], spec_n: Sequence[float], target_n: Sequence[float], seed=0
-) -> list[float] | None:
-    """A 95% percentile-bootstrap interval on (spec tokens/s) / (target tokens/s), resampling the batches
-    (paired: each resample takes a batch's timings of both methods together). None below 2 batches."""
-    n = len(spec_s)
-    if n < 2:
-        return None
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(2000):
-        idx = [rng.randrange(n) for _ in range(n)]
-        spec_rate = sum(spec_n[i] for i in idx) / sum(spec_s[i] for i in idx)
-        target_rate = sum(target_n[i] for i in idx) / sum(target_s[i] for i in idx)
-        ratios.append(spec_rate / target_rate)
-    ratios.sort()
-    return [ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios)) - 1]]
 
 
 def first_divergences(spec: list[list[int]], target: list[list[int]]) -> list[dict]:
@@ -319,6 +299,7 @@ def run_vllm_bench(
     from transformers import AutoConfig, AutoTokenizer
 
     from decode.bench import _load_avg
+    from decode.metrics import speedup_ci95
     from decode.prompts import encode_prompts
 
     if not prompts:
@@ -407,7 +388,9 @@ def run_vllm_bench(
         "speedup": {
             "vs_target": rate["speculative"] / rate["target"],
             "vs_target_ci95": speedup_ci95(
-                seconds["speculative"], seconds["target"], tokens["speculative"], tokens["target"], seed=seed
+                list(zip(tokens["speculative"], seconds["speculative"])),
+                list(zip(tokens["target"], seconds["target"])),
+                seed=seed,
             ),
             "vs_hf_assisted": None,
             "vs_hf_assisted_same_kernels": None,
