@@ -178,7 +178,7 @@ def bench_vllm(args: argparse.Namespace) -> dict:
     """``--engine vllm``: the same prompts and settings, measured by ``decode.vllm_engine``."""
     import torch
 
-    from decode.bench import load_prompts
+    from decode.prompts import load_prompts
     from decode.vllm_engine import run_vllm_bench
 
     if args.device != "auto":

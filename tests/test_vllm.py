@@ -25,7 +25,8 @@ from decode.vllm_engine import (
     vllm_problem,
 )
 from distill.config import RecipeError, load_recipe
-from tests.tiny import VOCAB, make_prompts, make_tokenizer
+from tests.tiny import BPE_VOCAB as VOCAB
+from tests.tiny import make_prompts, make_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
@@ -217,7 +218,7 @@ def test_draftsmith_as_extra_engine_next_to_vllm(tmp_path, padded_pair):
     best/eval_draftsmith.json (no vLLM needed)."""
     import shutil
 
-    from decode.bench import load_prompts
+    from decode.prompts import load_prompts
     from distill.engines import measure_extra_engines
 
     target, draft, prompt_file = padded_pair
@@ -254,7 +255,7 @@ def test_extra_engine_measures_best_in_vllm(vllm_ok, tmp_path, padded_pair):
     vllm --json``, for a draft whose vocab_size differs from the target's (saved padded for vLLM first)."""
     import shutil
 
-    from decode.bench import load_prompts
+    from decode.prompts import load_prompts
     from distill.engines import measure_extra_engines
 
     target, draft, prompt_file = padded_pair
@@ -279,7 +280,7 @@ def test_training_eval_with_vllm_measures_the_draft_as_served(vllm_ok, tmp_path,
     vocab_size, and the draft in training is left as it was."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from decode.bench import load_prompts
+    from decode.prompts import load_prompts
     from distill.training import evaluate
 
     target_dir, draft_dir, prompt_file = padded_pair
@@ -301,7 +302,7 @@ def test_training_eval_with_vllm_measures_the_draft_as_served(vllm_ok, tmp_path,
 @pytest.mark.slow
 @pytest.mark.shared
 def test_reference_pair_in_vllm_matches_target_only(vllm_ok, tmp_path):
-    from decode.bench import load_prompts
+    from decode.prompts import load_prompts
 
     settings = {"max_new_tokens": 32, "num_draft_tokens": 4, "repeats": 1, "dtype": "float32"}
     prompts = load_prompts(DEV_PROMPTS)[:4]
