@@ -138,16 +138,25 @@ def plot(result: dict, out: str | Path) -> None:
 
 
 def bench(args: argparse.Namespace) -> dict:
+    """Measure the pair with the chosen engine and write ``--json`` / ``--plot``; the bench JSON dict."""
+    if not Path(args.prompts).is_file():
+        raise ValueError(f"prompt file not found: {args.prompts}")
+    result = bench_vllm(args) if args.engine == "vllm" else bench_draftsmith(args)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+def bench_draftsmith(args: argparse.Namespace) -> dict:
+    """The default engine: draftsmith's decoder against target-only and HF assisted generation."""
     import torch
 
     from decode.bench import run_bench
     from decode.compat import check_vocab_compatible
     from decode.prompts import load_prompts
 
-    if not Path(args.prompts).is_file():
-        raise ValueError(f"prompt file not found: {args.prompts}")
-    if args.engine == "vllm":
-        return bench_vllm(args)
     device = (
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if args.device == "auto"
@@ -167,10 +176,6 @@ def bench(args: argparse.Namespace) -> dict:
         num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size, repeats=args.repeats, seed=args.seed,
         baselines=args.baselines, samples_out=args.samples_out, progress=not args.no_progress,
     )  # fmt: skip
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    if args.plot:
-        plot(result, args.plot)
     return result
 
 
@@ -197,10 +202,6 @@ def bench_vllm(args: argparse.Namespace) -> dict:
         top_p=args.top_p, top_k=args.top_k, num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size,
         repeats=args.repeats, seed=args.seed, dtype=dtype, samples_out=args.samples_out,
     )  # fmt: skip
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    if args.plot:
-        plot(result, args.plot)
     return result
 
 
