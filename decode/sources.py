@@ -11,7 +11,6 @@ load; anything else is one `ValueError` line. The `gguf` package is needed only 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,10 @@ def is_gguf(name: str | Path) -> bool:
 
 
 def _require_gguf_package(name: str, key: str) -> None:
-    if importlib.util.find_spec("gguf") is None:
-        raise ValueError(f"{key} {name!r} is a GGUF file, which needs the gguf package: {GGUF_INSTALL}")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{key} {name!r} is a GGUF file, which needs the gguf package: {GGUF_INSTALL}") from None
 
 
 def supported_gguf_architectures() -> list[str]:
