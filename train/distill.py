@@ -139,7 +139,7 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from distill import data, losses, models, rollouts
+    from distill import data, draft_init, losses, models, prompt_gen, rollouts
 
     # ---- setup
     out = Path(recipe.output_dir).resolve()
@@ -157,6 +157,7 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
     set_seed(recipe.train.seed)
     with accelerator.main_process_first():
         resolve_local_artifacts(recipe, args.rebuild, accelerator.is_main_process)
+        draft_init.resolve_draft_init(recipe, out)  # draft.init=truncate: build the draft from the target once
     if accelerator.is_main_process:
         clean_temporaries(ckpt_root)
         save_recipe(recipe, out)
@@ -173,8 +174,11 @@ def run(recipe: Recipe, args: argparse.Namespace) -> None:
     vocab_size = models.check_compatible(target, draft, tokenizer, draft_tokenizer)
 
     # ---- data
-    with accelerator.main_process_first():
-        train_rows, eval_rows = data.load_train_eval(recipe.data)
+    with accelerator.main_process_first():  # generate:magpie prompts are sampled once, by the main process
+        train_rows, eval_rows = prompt_gen.load_train_eval(
+            recipe.data, target, tokenizer, target_name=recipe.target.model, seed=recipe.train.seed,
+            cache_dir=Path(recipe.distill.cache_dir) if recipe.distill.cache_dir else out / "rollout_cache",
+        )  # fmt: skip
     context = models.context_length(target, draft)
     train_prompts = data.encode_prompts(
         train_rows,
