@@ -156,17 +156,23 @@ def function_instructions(source: str) -> list[str]:
 
 
 def stdlib_prompts(n: int, seed: int) -> list[str]:
-    """Up to `n` distinct instructions from CPython's standard library docstrings, in a seeded order."""
+    """Up to `n` distinct instructions from CPython's standard library docstrings.
+
+    Files are visited in a seeded hash order and parsed only until `n` instructions are found (parsing the whole
+    library takes a while), so a seed gives a fixed set drawn from across the library.
+    """
     from distill.corpus import stdlib_files
 
     found: dict[str, None] = {}
-    for _, path in stdlib_files():
+    files = sorted(stdlib_files(), key=lambda f: hashlib.sha1(f"{seed}:{f[0]}".encode()).digest())
+    for _, path in files:
         try:
             found.update(dict.fromkeys(function_instructions(path.read_text(encoding="utf-8"))))
         except (OSError, UnicodeDecodeError):
             continue
-    ranked = sorted(found, key=lambda s: hashlib.sha1(f"{seed}:{s}".encode()).digest())
-    return ranked[:n]
+        if len(found) >= n:
+            break
+    return list(found)[:n]
 
 
 # ---------------------------------------------------------------- rows, cache, split
