@@ -182,3 +182,16 @@ def test_missing_and_not_gguf_files(tmp_path):
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         sources.load_model(str(bad), key="--target")
+
+
+def test_pretrain_tokenizer_from_a_gguf_keeps_the_full_vocabulary(tiny_gguf):
+    from distill.config import ArchConfig, TokenizerConfig
+    from distill.corpus import Corpus
+    from distill.pretraining import build_tokenizer, resolve_vocab_size
+
+    path, original, tok = tiny_gguf
+    loaded = build_tokenizer(TokenizerConfig(path=str(path)), Corpus(source="none", kind="folder"))
+    assert len(loaded) == original.config.vocab_size and loaded.get_vocab() == tok.get_vocab()
+    assert loaded.pad_token_id is not None
+    fixed = ArchConfig(extra={"vocab_size": original.config.vocab_size})
+    assert resolve_vocab_size(fixed, loaded) == original.config.vocab_size
