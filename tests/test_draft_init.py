@@ -82,3 +82,42 @@ def test_recipe_keys(pair, tmp_path):
     with pytest.raises(ValueError, match="leave draft.model empty"):
         resolve_draft_init(both, tmp_path / "other")
     assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.slow
+def test_distill_run_from_a_gguf_target_with_generated_prompts(tmp_path):
+    """train/distill.py end to end: GGUF target, truncated draft, generate:magpie+stdlib prompts, 2 steps."""
+    pytest.importorskip("gguf")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from tests.test_gguf import write_tiny_gguf
+
+    path, _, _ = write_tiny_gguf(tmp_path / "src", layers=3)
+    repo = Path(__file__).resolve().parent.parent
+    recipe = {
+        "target": {"model": str(path), "dtype": "float32"},
+        "draft": {"init": "truncate", "init_layers": 1, "dtype": "float32"},
+        "data": {"train_prompts": "generate:magpie+stdlib", "generate_num_prompts": 6, "generate_max_tokens": 12,
+                 "eval_split": 0.2, "max_prompt_tokens": 48},
+        "distill": {"loss": "fkl", "source": "target", "max_new_tokens": 8},
+        "train": {"lr": 1e-3, "max_steps": 2, "batch_size": 2, "warmup_steps": 1},
+        "eval": {"every": 2, "num_prompts": 2, "max_new_tokens": 8, "num_draft_tokens": 2, "hf_assisted": False},
+        "log": {"report_to": "none"},
+        "output_dir": str(tmp_path / "run"),
+    }  # fmt: skip
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PYTHONPATH=str(repo))
+    cmd = [sys.executable, str(repo / "train" / "distill.py"), "--recipe", str(tmp_path / "r.yaml")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = tmp_path / "run"
+    best = AutoModelForCausalLM.from_pretrained(run / "best")
+    assert best.config.num_hidden_layers == 1 and (run / "draft_init" / MARKER).is_file()
+    (cache,) = (run / "rollout_cache").glob("prompts-*.jsonl")
+    sources = {json.loads(line)["source"] for line in cache.read_text().splitlines()}
+    assert sources == {"magpie", "stdlib"}
