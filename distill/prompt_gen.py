@@ -11,7 +11,8 @@ of what users ask: training prompts that follow the target's distribution, with 
 Generated rows are `{"id", "messages": [{"role": "user", "content": ...}], "source"}`, deduplicated, and cached
 as JSONL under the run's cache dir keyed by the target and every generation setting, so reruns and --resume
 reuse them. The eval prompts are held out by the content-hash split of distill.data (or come from
-`data.eval_prompts`); no training prompt equals an eval prompt.
+`data.eval_prompts`); no training prompt equals an eval prompt. The held-out rows are also written next to the
+cache as `prompts-<key>.eval.jsonl`, a prompt file for `python -m decode bench --prompts`.
 """
 
 from __future__ import annotations
@@ -236,6 +237,21 @@ def cached_rows(cfg: DataConfig, target: torch.nn.Module, tokenizer: Any, *, tar
     return rows
 
 
+def heldout_path(cfg: DataConfig, target_name: str, cache_dir: Path, seed: int) -> Path:
+    """Where the held-out generated prompts are written, for `python -m decode bench --prompts`."""
+    return Path(cache_dir) / f"prompts-{cache_key(target_name, cfg, seed)}.eval.jsonl"
+
+
+def write_eval_file(rows: list[dict], path: Path) -> None:
+    """Write `rows` as a prompt file (atomically; an identical file is left alone)."""
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
 def _content(row: dict) -> str:
     return json.dumps(row.get("messages") or row.get("prompt"), sort_keys=True, ensure_ascii=False)
 
@@ -267,6 +283,7 @@ def load_train_eval(
                 raise ValueError(
                     "data.eval_split is 0 with generated prompts: set data.eval_split or data.eval_prompts"
                 )
+            write_eval_file(evals, heldout_path(cfg, target_name, cache_dir, seed))
         if cfg.max_train_prompts:
             train = train[: cfg.max_train_prompts]
     train = without_overlap(train, evals)

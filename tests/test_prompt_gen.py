@@ -80,7 +80,12 @@ def test_generated_rows_cached_split_and_disjoint(chat_pair, tmp_path):
     assert evals and train and {r["source"] for r in train + evals} <= {"magpie", "stdlib"}
     texts = [r["messages"][0]["content"] for r in train + evals]
     assert len(texts) == len(set(texts))  # deduplicated, and no eval prompt is a training prompt
-    (cached,) = tmp_path.glob("prompts-*.jsonl")
+    (cached,) = [p for p in tmp_path.glob("prompts-*.jsonl") if not p.name.endswith(".eval.jsonl")]
+    # The held-out rows are a prompt file the bench reads.
+    from decode.bench import load_prompts
+
+    held = load_prompts(str(cached.with_name(cached.stem + ".eval.jsonl")), tokenizer=tok)
+    assert len(held) == len(evals)
     # A second run reads the cache: with no target at all it still gets the same rows.
     assert prompt_gen.load_train_eval(cfg, None, tok, **kw) == (train, evals)
     other = DataConfig(**{**cfg.__dict__, "generate_temperature": 0.7})
