@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m decode", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="speculative decoding vs target-only vs HF assisted generation")
-    b.add_argument("--target", required=True, help="target model: local path or Hub id")
-    b.add_argument("--draft", required=True, help="draft model: local path or Hub id")
+    b.add_argument("--target", required=True, help="target model: local path, Hub id or .gguf file")
+    b.add_argument("--draft", required=True, help="draft model: local path, Hub id or .gguf file")
     b.add_argument("--prompts", required=True, help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -102,15 +102,11 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type != "cpu" or cpu_has_native_bf16() else torch.float32
 
 
-def _load(path: str, dtype, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load(path: str, dtype, device, key: str):
+    from decode import sources
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"cannot load {path!r}: {first}") from None
+    model = sources.load_model(path, key=key, dtype=dtype).to(device).eval()  # a .gguf file is dequantized
+    tokenizer = sources.load_tokenizer(path, key=key)
     return model, tokenizer
 
 
@@ -163,9 +159,9 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
         else torch.device(args.device)
     )
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(device)
-    target, target_tok = _load(args.target, dtype, device)
+    target, target_tok = _load(args.target, dtype, device, "--target")
     draft_dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else dtype
-    draft, draft_tok = _load(args.draft, draft_dtype, device)
+    draft, draft_tok = _load(args.draft, draft_dtype, device, "--draft")
     check_vocab_compatible(target, draft, target_tok, draft_tok)
     prompts = load_prompts(args.prompts, tokenizer=target_tok)
     if args.limit is not None:

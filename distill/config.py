@@ -87,10 +87,25 @@ class ModelConfig:
 
 
 @dataclass
+class DraftConfig(ModelConfig):
+    """The draft: a model to load (`model`), or one built from the target (`init: truncate`)."""
+
+    init: Literal["pretrained", "truncate"] = _f(
+        "pretrained", "pretrained: load draft.model; truncate: the target's embeddings, first init_layers layers, head"
+    )
+    init_layers: int = _f(2, "init=truncate: decoder layers kept from the target")
+
+    def __post_init__(self) -> None:
+        _check(self.init_layers > 0, "draft.init_layers", f"must be > 0, got {self.init_layers}")
+
+
+@dataclass
 class DataConfig:
     """Where prompts come from (a prompt file or a datasets dataset: docs/data.md)."""
 
-    train_prompts: str = _f("", "JSONL prompt file, local datasets dir, or hub dataset id")
+    train_prompts: str = _f(
+        "", "JSONL prompt file, local datasets dir, hub dataset id, or generate:magpie / generate:stdlib (or both, +)"
+    )
     eval_prompts: str = _f("", "JSONL prompt file for evaluation; empty: split off train_prompts")
     eval_split: float = _f(0.05, "fraction of train_prompts held out for eval when eval_prompts is empty")
     dataset_split: str = _f("train", "split name when train_prompts is a datasets dataset")
@@ -98,10 +113,16 @@ class DataConfig:
     max_prompt_tokens: int = _f(192, "prompts are left-truncated to this many tokens")
     max_train_prompts: int = _f(0, "use at most this many training prompts (0: all)")
     apply_chat_template: bool = _f(True, "apply the tokenizer's chat template to 'messages' prompts")
+    generate_num_prompts: int = _f(256, "train_prompts=generate:...: prompts made per source (before the eval split)")
+    generate_max_tokens: int = _f(48, "generate:magpie: the longest user request the target may write, in tokens")
+    generate_temperature: float = _f(1.0, "generate:magpie: sampling temperature of the target's requests")
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.eval_split < 1.0, "data.eval_split", f"must be in [0, 1), got {self.eval_split}")
         _check(self.max_prompt_tokens > 0, "data.max_prompt_tokens", "must be > 0")
+        _check(self.generate_num_prompts > 0, "data.generate_num_prompts", "must be > 0")
+        _check(self.generate_max_tokens > 0, "data.generate_max_tokens", "must be > 0")
+        _check(self.generate_temperature > 0, "data.generate_temperature", "must be > 0")
 
 
 @dataclass
@@ -224,7 +245,7 @@ class Recipe:
     """A distillation run (train/distill.py)."""
 
     target: ModelConfig = field(default_factory=ModelConfig)
-    draft: ModelConfig = field(default_factory=ModelConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
     data: DataConfig = field(default_factory=DataConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -26,9 +26,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel
+from transformers import BitsAndBytesConfig, PreTrainedModel
 
+from decode import sources
 from decode.compat import check_vocab_compatible, cpu_has_native_bf16
+from decode.sources import check_gguf, is_gguf
 from distill.config import ModelConfig, QuantConfig
 from distill.hub import hub_offline
 
@@ -49,6 +51,8 @@ def resolve_model_path(name: str, key: str, revision: str | None = None) -> str:
     """
     if not name:
         raise ValueError(f"{key} is empty: set it to a local model directory or a Hugging Face hub id")
+    if is_gguf(name):
+        return str(check_gguf(name, key))
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file() and not (path / "tokenizer_config.json").is_file():
@@ -127,11 +131,7 @@ def _load_causal_lm(cfg: ModelConfig, key: str, device: torch.device, dtype: tor
         # bitsandbytes places the weights while quantizing them: the whole model on this process's device
         kwargs["quantization_config"] = quant
         kwargs["device_map"] = {"": device}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{key} {cfg.model!r} could not be loaded: {first}") from e
+    model = sources.load_model(name, key=key, **kwargs)  # a .gguf file is dequantized on load
     if quant is None:
         model.to(device)
     return model
@@ -253,7 +253,7 @@ def load_draft(
 
 
 def load_tokenizer(path: str, cfg: ModelConfig | None = None, *, key: str = "tokenizer") -> Any:
-    """The tokenizer at `path` (a model dir or hub id), ready for batched generation.
+    """The tokenizer at `path` (a model dir, hub id or `.gguf` file), ready for batched generation.
 
     `cfg` (the model's recipe section) supplies `revision` and `trust_remote_code`. A missing pad token is set
     to the EOS token (pad == eos is harmless here: masks are never built from token ids, see distill.data), and
@@ -265,11 +265,7 @@ def load_tokenizer(path: str, cfg: ModelConfig | None = None, *, key: str = "tok
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if revision is not None:
         kwargs["revision"] = revision
-    try:
-        tok = AutoTokenizer.from_pretrained(name, **kwargs)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{key} {path!r}: no tokenizer could be loaded: {first}") from e
+    tok = sources.load_tokenizer(name, key=key, **kwargs)
     if tok.pad_token_id is None:
         if tok.eos_token is None:
             raise ValueError(f"{key} {path!r}: the tokenizer has neither a pad nor an eos token; add one")

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from decode import sources
+from decode.sources import is_gguf
 from distill.checkpoints import replace_dir
 from distill.config import (
     ArchConfig,
@@ -51,6 +53,11 @@ MARKER = "TRAINING.json"  # written last into a finished checkpoint; its presenc
 
 def build_tokenizer(cfg: TokenizerConfig, corpus: Corpus):
     """The recipe's tokenizer: loaded from `cfg.path`, or a byte-level BPE trained on the training documents."""
+    if cfg.path and is_gguf(cfg.path):  # the target's own tokenizer, read from its GGUF file (full vocab kept)
+        tok = sources.load_tokenizer(cfg.path, key="tokenizer.path")
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        return tok
     if cfg.path:
         return load_tokenizer(cfg.path)
     return train_tokenizer((d.text for d in corpus.train), cfg.vocab_size)

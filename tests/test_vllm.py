@@ -169,7 +169,7 @@ def test_decoder_kv_cache_is_filled_on_the_installed_transformers(wrap):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from decode.speculative import KVStream
+    from decode.kv_stream import KVStream
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -152,7 +152,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from distill import data, distributed, losses, models, rollouts
+    from distill import data, distributed, draft_init, losses, models, prompt_gen, rollouts
 
     # ---- setup
     distributed.check_launch(recipe)  # DeepSpeed without CUDA, FSDP with on-policy rollouts...: refuse up front
@@ -175,6 +175,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     set_seed(recipe.train.seed)
     with accelerator.main_process_first():
         resolve_local_artifacts(recipe, args.rebuild, accelerator.is_main_process)
+        draft_init.resolve_draft_init(recipe, out)  # draft.init=truncate: build the draft from the target once
     if accelerator.is_main_process:
         state.clean_temporaries()
         save_recipe(recipe, out)
@@ -191,8 +192,11 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     vocab_size = models.check_compatible(target, draft, tokenizer, draft_tokenizer)
 
     # ---- data
-    with accelerator.main_process_first():
-        train_rows, eval_rows = data.load_train_eval(recipe.data)
+    with accelerator.main_process_first():  # generate:magpie prompts are sampled once, by the main process
+        train_rows, eval_rows = prompt_gen.load_train_eval(
+            recipe.data, target, tokenizer, target_name=recipe.target.model, seed=recipe.train.seed,
+            cache_dir=Path(recipe.distill.cache_dir) if recipe.distill.cache_dir else out / "rollout_cache",
+        )  # fmt: skip
     context = models.context_length(target, draft)
     train_prompts = data.encode_examples(
         train_rows,

@@ -1,0 +1,133 @@
+"""Where models and tokenizers come from: a saved Hugging Face directory, a Hub id, or a single `.gguf` file.
+
+    model = load_model("SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.bfloat16)   # dequantized to plain weights
+    tok = load_tokenizer("SmolLM2-135M-Instruct.Q4_1.gguf")                       # vocab + chat template from it
+
+A GGUF file (llama.cpp's format) holds the weights, the config and the tokenizer together; transformers reads it
+with `gguf_file=` and dequantizes every tensor, so what comes back is an ordinary `PreTrainedModel` that trains,
+decodes and `save_pretrained`s like any other. Only the architectures transformers knows how to map from GGUF
+load; anything else is one `ValueError` line. The `gguf` package is needed only for GGUF files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+GGUF_SUFFIX = ".gguf"
+GGUF_INSTALL = "pip install gguf"
+
+
+def is_gguf(name: str | Path) -> bool:
+    """True when `name` names a GGUF file (by its suffix; it need not exist)."""
+    return str(name).lower().endswith(GGUF_SUFFIX)
+
+
+def _require_gguf_package(name: str, key: str) -> None:
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{key} {name!r} is a GGUF file, which needs the gguf package: {GGUF_INSTALL}") from None
+
+
+def supported_gguf_architectures() -> list[str]:
+    """The `general.architecture` values transformers can turn into a model."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return sorted(GGUF_SUPPORTED_ARCHITECTURES)
+
+
+def gguf_architecture(path: str | Path) -> str:
+    """The `general.architecture` string stored in a GGUF file's header (e.g. "llama")."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("general.architecture")
+    if field is None:
+        return ""
+    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+
+
+def check_gguf(name: str | Path, key: str = "model") -> Path:
+    """The GGUF file `name`, checked: it exists, `gguf` is installed, transformers maps its architecture.
+
+    Raises:
+        ValueError: one line naming `key`, the problem and the fix.
+    """
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{key} {str(name)!r}: no such GGUF file; fix the path")
+    _require_gguf_package(str(name), key)
+    try:
+        arch = gguf_architecture(path)
+    except (ValueError, OSError) as e:  # not a GGUF file at all (bad magic), or unreadable
+        raise ValueError(
+            f"{key} {str(name)!r} is not a readable GGUF file ({_first_line(e)}); re-download or convert it"
+        ) from None
+    supported = supported_gguf_architectures()
+    if arch not in supported:
+        raise ValueError(
+            f"{key} {str(name)!r}: GGUF architecture {arch or '(none)'!r} cannot be loaded by transformers "
+            f"(supported: {', '.join(supported)}); use a Hugging Face checkpoint of this model instead"
+        )
+    return path
+
+
+def _split(path: Path) -> tuple[str, str]:
+    """transformers takes a GGUF as (directory, file name)."""
+    return str(path.parent), path.name
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _plain(model: Any) -> Any:
+    """Forget that the weights came from a quantized file: dequantized, they are ordinary trainable parameters and
+    `save_pretrained` writes plain safetensors (transformers refuses to serialize a GGUF-quantized model)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    return model
+
+
+def load_model(name: str, *, key: str = "model", **kwargs: Any) -> Any:
+    """`AutoModelForCausalLM.from_pretrained(name, **kwargs)`, also for a `.gguf` file (dequantized).
+
+    Args:
+        name: a model directory, a Hub id or a `.gguf` file.
+        key: how the error messages name the value (a recipe key or a flag).
+        kwargs: passed to `from_pretrained` (`dtype`, `revision`, `quantization_config`, ...).
+    """
+    from transformers import AutoModelForCausalLM
+
+    if is_gguf(name):
+        from transformers import GgufConfig
+
+        directory, file = _split(check_gguf(name, key))
+        kwargs.setdefault("quantization_config", GgufConfig(dequantize=True))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, **kwargs)
+        except (OSError, ValueError, NotImplementedError) as e:
+            raise ValueError(f"{key} {name!r}: the GGUF file could not be loaded: {_first_line(e)}") from e
+        return _plain(model)
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{key} {name!r} could not be loaded: {_first_line(e)}") from e
+
+
+def load_tokenizer(name: str, *, key: str = "tokenizer", **kwargs: Any) -> Any:
+    """`AutoTokenizer.from_pretrained(name, **kwargs)`, also for a `.gguf` file (its vocabulary and template)."""
+    from transformers import AutoTokenizer
+
+    if is_gguf(name):
+        directory, file = _split(check_gguf(name, key))
+        kwargs = {k: v for k, v in kwargs.items() if k != "revision"}  # a local file has no revisions
+        try:
+            return AutoTokenizer.from_pretrained(directory, gguf_file=file, **kwargs)
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{key} {name!r}: no tokenizer could be read from the GGUF file: {_first_line(e)}") from e
+    try:
+        return AutoTokenizer.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{key} {name!r}: no tokenizer could be loaded: {_first_line(e)}") from e
