@@ -118,6 +118,7 @@ def test_distill_run_from_a_gguf_target_with_generated_prompts(tmp_path):
     run = tmp_path / "run"
     best = AutoModelForCausalLM.from_pretrained(run / "best")
     assert best.config.num_hidden_layers == 1 and (run / "draft_init" / MARKER).is_file()
-    (cache,) = (run / "rollout_cache").glob("prompts-*.jsonl")
+    (cache,) = [p for p in (run / "rollout_cache").glob("prompts-*.jsonl") if not p.name.endswith(".eval.jsonl")]
+    assert cache.with_suffix(".eval.jsonl").is_file()  # the held-out rows, as a prompt file for the bench
     sources = {json.loads(line)["source"] for line in cache.read_text().splitlines()}
     assert sources == {"magpie", "stdlib"}
