@@ -293,7 +293,7 @@ def run_vllm_bench(
     """Time vLLM with ``draft`` as its speculator against vLLM target-only; return the bench JSON dict.
 
     ``target`` and ``draft`` are model directories (or Hub ids vLLM can resolve); ``prompts`` are prompt-file
-    items (``decode.bench.load_prompts``). Raises ValueError (one line) on bad inputs, VllmUnavailable when vLLM
+    items (``decode.prompts.load_prompts``). Raises ValueError (one line) on bad inputs, VllmUnavailable when vLLM
     cannot be imported.
     """
     from transformers import AutoConfig, AutoTokenizer

@@ -82,7 +82,7 @@ def test_generated_rows_cached_split_and_disjoint(chat_pair, tmp_path):
     assert len(texts) == len(set(texts))  # deduplicated, and no eval prompt is a training prompt
     (cached,) = [p for p in tmp_path.glob("prompts-*.jsonl") if not p.name.endswith(".eval.jsonl")]
     # The held-out rows are a prompt file the bench reads.
-    from decode.bench import load_prompts
+    from decode.prompts import load_prompts
 
     held = load_prompts(str(cached.with_name(cached.stem + ".eval.jsonl")), tokenizer=tok)
     assert len(held) == len(evals)
