@@ -311,3 +311,34 @@ def test_reference_pair_in_vllm_matches_target_only(vllm_ok, tmp_path):
     )
     _check_result(result, gamma=4)
     assert result["acceptance_rate"] > 0.3  # a trained draft, not a chance guesser
+
+
+@pytest.mark.slow
+def test_published_draft_loads_in_vllm_unchanged(vllm_ok, tmp_path, padded_pair):
+    """What train/publish.py uploads (here its dry-run folder) is a draft vLLM takes as it is: `draft_model` with
+    greedy output identical to vLLM target-only, vocab_size already the target's."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decode.bench import run_bench
+    from decode.prompts import load_prompts
+    from distill.config import save_recipe
+    from distill.publish import build_publish_folder
+
+    target_dir, draft_dir, prompt_file = padded_pair
+    prompts = load_prompts(prompt_file)
+    best = tmp_path / "run" / "best"
+    shutil.copytree(draft_dir, best)
+    target, draft = (AutoModelForCausalLM.from_pretrained(d) for d in (target_dir, draft_dir))
+    ev = run_bench(
+        target, draft, AutoTokenizer.from_pretrained(target_dir), prompts[:2], target_name=target_dir,
+        draft_name=draft_dir, max_new_tokens=8, num_draft_tokens=3, repeats=1, baselines=("target",), progress=False,
+    )  # fmt: skip
+    (best / "eval.json").write_text(json.dumps(ev))
+    save_recipe(load_recipe(None, [f"target.model={target_dir}", f"draft.model={draft_dir}"]), best)
+    published = build_publish_folder(best, tmp_path / "published", "user/tiny-draft")
+    assert json.loads((published / "config.json").read_text())["vocab_size"] == 384  # the target's
+    settings = {"max_new_tokens": 24, "num_draft_tokens": 3, "repeats": 1, "dtype": "float32"}
+    result = bench_in_subprocess(target_dir, str(published), prompts, settings=settings, out_json=tmp_path / "o.json")
+    _check_result(result, gamma=3)
