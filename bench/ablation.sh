@@ -2,7 +2,11 @@
 # DistillSpec-style ablation on the reference pair: each divergence x each data source, same training budget,
 # measured speedup and acceptance of best/ on the dev prompts. Prints a markdown table; runs go to $OUT.
 #
-#   bash bench/ablation.sh                      # 4 losses x 3 sources, MINUTES=4 each (~1 h on 2 CPU cores)
+# Each cell's lr decays over its MINUTES (the recipe's train.schedule_by: minutes); `schedule` is target-generated
+# data for the first SWITCH_AT of the budget, on-policy after (its target continuations come from the shared cache
+# when the `target` cells made them, else they are generated on its clock).
+#
+#   bash bench/ablation.sh                      # 4 losses x 4 sources, MINUTES=4 each (~1.3 h on 2 CPU cores)
 #   MINUTES=2 LOSSES="fkl tvd" SOURCES="target" bash bench/ablation.sh eval.num_prompts=20   # extra overrides
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +14,8 @@ OUT=${OUT:-runs/ablation}
 MINUTES=${MINUTES:-4}
 PROMPTS=${PROMPTS:-1000}  # target continuations are generated once (shared cache) and reused by every run
 LOSSES=${LOSSES:-"fkl rkl jsd tvd"}
-SOURCES=${SOURCES:-"target draft mix"}
+SOURCES=${SOURCES:-"target draft mix schedule"}
+SWITCH_AT=${SWITCH_AT:-0.3}
 RECIPE=${RECIPE:-recipes/stdlib-30m_stdlib-3.7m_full_greedy.yaml}
 export HF_HUB_OFFLINE=1 WANDB_MODE=offline
 mkdir -p "$OUT"
@@ -20,6 +25,7 @@ for loss in $LOSSES; do
         [ -f "$run/report.json" ] && continue
         python train/distill.py --recipe "$RECIPE" --overwrite \
             distill.loss="$loss" distill.beta=0.5 distill.source="$source" distill.mix_lambda=0.5 \
+            distill.switch_at="$SWITCH_AT" \
             train.max_minutes="$MINUTES" train.max_steps=100000 eval.every=100000 log.report_to=none \
             data.max_train_prompts="$PROMPTS" distill.cache_dir="$OUT/rollout_cache" output_dir="$run" "$@" > "$run.log" 2>&1 || { echo "failed: $run (see $run.log)"; continue; }
     done

@@ -133,10 +133,17 @@ class DistillConfig:
     beta: float = _f(0.5, "JSD interpolation: 0 = forward KL, 1 = reverse KL")
     temperature: float = _f(1.0, "softmax temperature applied to both models' logits in the loss")
     top_k: int = _f(0, "keep the teacher's top-k logits only (memory on big vocabularies; 0: full)")
-    source: Literal["fixed", "target", "draft", "mix"] = _f(
-        "target", "training sequences: dataset completions, target-generated, on-policy draft, or mix"
+    source: Literal["fixed", "target", "draft", "mix", "schedule"] = _f(
+        "target",
+        "training sequences: dataset completions, target-generated, on-policy draft, mix, or schedule "
+        "(target-generated until switch_at, on-policy after)",
     )
     mix_lambda: float = _f(0.5, "source=mix: probability that a batch is draft-generated (on-policy)")
+    switch_at: float = _f(
+        0.3,
+        "source=schedule: fraction of the training budget (train.schedule_by) after which batches are on-policy; "
+        "target continuations before it are generated on the training clock and cached",
+    )
     completion_field: str = _f("completion", "source=fixed: the dataset field holding the completion")
     max_new_tokens: int = _f(64, "length of generated continuations")
     gen_temperature: float = _f(1.0, "sampling temperature for generated continuations")
@@ -148,6 +155,7 @@ class DistillConfig:
         _check(0.0 <= self.beta <= 1.0, "distill.beta", f"must be in [0, 1], got {self.beta}")
         _check(self.temperature > 0, "distill.temperature", f"must be > 0, got {self.temperature}")
         _check(0.0 <= self.mix_lambda <= 1.0, "distill.mix_lambda", f"must be in [0, 1], got {self.mix_lambda}")
+        _check(0.0 <= self.switch_at <= 1.0, "distill.switch_at", f"must be in [0, 1], got {self.switch_at}")
         _check(self.max_new_tokens > 0, "distill.max_new_tokens", "must be > 0")
         _check(self.top_k >= 0, "distill.top_k", "must be >= 0")
         _check(
@@ -167,6 +175,11 @@ class TrainConfig:
     lr_scheduler: Literal["cosine", "linear", "constant"] = _f("cosine", "schedule after warm-up")
     max_steps: int = _f(200, "optimizer steps")
     max_minutes: float = _f(0.0, "wall-clock budget for training in minutes (0: none)")
+    schedule_by: Literal["steps", "minutes"] = _f(
+        "steps",
+        "horizon of the lr decay and of distill.source=schedule: max_steps, or max_minutes of training clock "
+        "(max_steps then only caps the run)",
+    )
     batch_size: int = _f(8, "prompts per process per micro-batch")
     grad_accum: int = _f(1, "micro-batches per optimizer step")
     max_grad_norm: float = _f(1.0, "gradient clipping norm (0: off)")
@@ -184,6 +197,11 @@ class TrainConfig:
         _check(self.batch_size > 0, "train.batch_size", f"must be > 0, got {self.batch_size}")
         _check(self.grad_accum > 0, "train.grad_accum", f"must be > 0, got {self.grad_accum}")
         _check(self.max_minutes >= 0, "train.max_minutes", "must be >= 0")
+        _check(
+            self.schedule_by == "steps" or self.max_minutes > 0,
+            "train.schedule_by",
+            "'minutes' needs a time budget: set train.max_minutes > 0, or use schedule_by: steps",
+        )
         _check(self.dist_timeout_minutes > 0, "train.dist_timeout_minutes", "must be > 0")
 
 

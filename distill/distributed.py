@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-_SOURCES_SAMPLING_THE_DRAFT = ("draft", "mix")
+_SOURCES_SAMPLING_THE_DRAFT = ("draft", "mix", "schedule")
 
 
 def requested_engine(env: Mapping[str, str] = os.environ) -> str | None:

@@ -236,10 +236,29 @@ class RolloutCache:
 # ---------------------------------------------------------------- choosing and making rollouts
 
 
-def choose_source(source: str, mix_lambda: float, generator: torch.Generator | None = None) -> str:
-    """The concrete source for one batch: `mix` becomes `draft` with probability `mix_lambda`, else `target`."""
-    if source not in ("fixed", "target", "draft", "mix"):
-        raise ValueError(f"distill.source {source!r} is not one of fixed, target, draft, mix")
+SOURCES = ("fixed", "target", "draft", "mix", "schedule")
+
+
+def scheduled_source(progress: float, switch_at: float) -> str:
+    """`schedule`'s source at `progress` through the budget: target-generated before `switch_at`, on-policy
+    from it on (target continuations are better text early; on-policy ones close the train/test gap later)."""
+    return "target" if progress < switch_at else "draft"
+
+
+def choose_source(
+    source: str,
+    mix_lambda: float,
+    generator: torch.Generator | None = None,
+    *,
+    progress: float = 0.0,
+    switch_at: float = 0.3,
+) -> str:
+    """The concrete source for one batch: `mix` becomes `draft` with probability `mix_lambda`, else `target`;
+    `schedule` becomes `target` or `draft` by `progress` (:func:`scheduled_source`)."""
+    if source not in SOURCES:
+        raise ValueError(f"distill.source {source!r} is not one of {', '.join(SOURCES)}")
+    if source == "schedule":
+        return scheduled_source(progress, switch_at)
     if source != "mix":
         return source
     device = generator.device if generator is not None else "cpu"
@@ -268,13 +287,14 @@ def make_rollouts(
     cache: RolloutCache | None = None,
     num_draft_tokens: int | str = 4,
 ) -> list[Pair]:
-    """(prompt_ids, completion_ids) for each example, from `source` (`mix` is resolved by :func:`choose_source`).
+    """(prompt_ids, completion_ids) for each example, from `source` (`mix`, and `schedule` at progress 0, are
+    resolved by :func:`choose_source`; callers with a budget resolve `schedule` themselves).
 
     `target` rollouts come from `cache` when present there; the missing ones are generated in one batch and
     added to it. Completions are never empty (generation emits at least one token; empty fixed completions were
     dropped by :func:`distill.data.encode_examples`).
     """
-    source = choose_source(source, cfg.mix_lambda, generator)
+    source = choose_source(source, cfg.mix_lambda, generator, switch_at=cfg.switch_at)
     gen = {
         "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.gen_temperature,
@@ -390,13 +410,23 @@ class RolloutSource:
         self.eos_token_id = _eos_ids(target, tokenizer)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.cache = None
-        if cache_dir is not None and cfg.cache_rollouts and cfg.source in ("target", "mix"):
+        if cache_dir is not None and cfg.cache_rollouts and cfg.source in ("target", "mix", "schedule"):
             self.cache = RolloutCache(cache_dir, target_cache_settings(target, cfg, seed), process_index)
         self.last_source: str | None = None  # the concrete source of the last sample() call, for logging
 
-    def sample(self, examples: Sequence[Example], draft: nn.Module, generator: torch.Generator | None) -> list[Pair]:
-        """(prompt_ids, completion_ids) per example for one batch; see :func:`make_rollouts`."""
-        self.last_source = choose_source(self.cfg.source, self.cfg.mix_lambda, generator)
+    def sample(
+        self,
+        examples: Sequence[Example],
+        draft: nn.Module,
+        generator: torch.Generator | None,
+        progress: float = 0.0,
+    ) -> list[Pair]:
+        """(prompt_ids, completion_ids) per example for one batch; see :func:`make_rollouts`. `progress` is the
+        fraction of the training budget spent (:func:`distill.schedule.budget_progress`), read by
+        `source=schedule`."""
+        self.last_source = choose_source(
+            self.cfg.source, self.cfg.mix_lambda, generator, progress=progress, switch_at=self.cfg.switch_at
+        )
         return make_rollouts(
             examples,
             self.last_source,
@@ -419,8 +449,10 @@ class RolloutSource:
         batch_size: int = 8,
         progress: bool = True,
     ) -> int:
-        """Fill the target cache up front (no-op without a cache); see :func:`pregenerate_target_rollouts`."""
-        if self.cache is None:
+        """Fill the target cache up front (no-op without a cache, and for `source=schedule`, whose target phase
+        uses a share of the prompts known only as the clock runs: it generates them on demand, on the clock);
+        see :func:`pregenerate_target_rollouts`."""
+        if self.cache is None or self.cfg.source == "schedule":
             return 0
         return pregenerate_target_rollouts(
             examples,

@@ -53,7 +53,6 @@ from distill.training import (  # noqa: E402
     Timer,
     batch_indices,
     build_optimizer,
-    build_scheduler,
     eval_metrics,
     fail,
     param_checksum,
@@ -152,7 +151,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from distill import data, distributed, draft_init, losses, models, prompt_gen, rollouts
+    from distill import data, distributed, draft_init, losses, models, prompt_gen, rollouts, schedule
 
     # ---- setup
     distributed.check_launch(recipe)  # DeepSpeed without CUDA, FSDP with on-policy rollouts...: refuse up front
@@ -212,7 +211,8 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
 
     # ---- optimizer
     optimizer = build_optimizer(draft, recipe.train)
-    scheduler = build_scheduler(optimizer, recipe.train)
+    clock = schedule.TrainClock()  # the lr decays over train.schedule_by's horizon: steps or training minutes
+    scheduler = schedule.build_budget_scheduler(optimizer, recipe.train, clock)
 
     # ---- prepare
     draft, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
@@ -266,10 +266,15 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     if start_step == 0:
         evaluate_and_save(0, None)
     timer = Timer(recipe.train.max_minutes, elapsed_s=state.train_s)
+    clock.elapsed_s = timer.elapsed_s
     draft.train()
     step = start_step
     with tqdm(
-        total=recipe.train.max_steps, initial=start_step, desc="distill", disable=not accelerator.is_main_process
+        # schedule_by=minutes: max_steps is only a cap, so the bar counts steps without a misleading total
+        total=recipe.train.max_steps if recipe.train.schedule_by == "steps" else None,
+        initial=start_step,
+        desc="distill",
+        disable=not accelerator.is_main_process,
     ) as bar:
         while step < recipe.train.max_steps:
             with timer.running():
@@ -283,6 +288,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                             [train_prompts[i] for i in idx],
                             rollout_draft,
                             step_generator(recipe.train.seed, step, rank),
+                            progress=schedule.budget_progress(step, clock.elapsed_s, recipe.train),
                         )
                     except RuntimeError:
                         check_weights_finite(draft, step, ckpt_root)  # diverged weights make sampling fail first
@@ -317,6 +323,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                     agree_sum += float(
                         losses.top1_agreement(student.detach(), teacher, batch["loss_mask"], vocab_size=vocab_size)
                     )
+                clock.elapsed_s = shared_elapsed_s(accelerator, timer)
                 scheduler.step()  # once per optimizer step, on every process alike
                 step += 1
                 elapsed = time.perf_counter() - t0
@@ -333,6 +340,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                         "train/tokens_per_s": tokens / elapsed,
                         "train/top1_agreement": agree_sum / recipe.train.grad_accum,
                         "train/rollout_s": gen_s,
+                        "train/on_policy": float(source.last_source == "draft"),
                     },
                     step=step,
                 )
@@ -469,6 +477,14 @@ def check_finite(accelerator, loss: torch.Tensor, step: int, ckpt_root: Path) ->
             f"loss is {what} at step {step + 1}; last good checkpoint: {last_good(ckpt_root)}. "
             "Lower train.lr or check the data, then rerun with --resume"
         )
+
+
+def shared_elapsed_s(accelerator, timer: Timer) -> float:
+    """The training clock all ranks agree on (their mean), so a time-based lr and data schedule stay identical
+    across processes."""
+    if accelerator.num_processes == 1:
+        return timer.elapsed_s
+    return float(accelerator.reduce(torch.tensor([timer.elapsed_s], device=accelerator.device), reduction="mean"))
 
 
 def time_is_up(accelerator, timer: Timer) -> bool:
