@@ -87,6 +87,7 @@ def generate_target_rollouts(
     pad_token_id: int,
     generator: torch.Generator | None = None,
     num_draft_tokens: int | str = 4,
+    vocab: int | None = None,
 ) -> list[list[int]]:
     """Target-distributed continuations of `examples`, one batch: speculative decoding with `draft` (lossless),
     or the target alone when `draft` is None.
@@ -98,7 +99,8 @@ def generate_target_rollouts(
 
     batch = _prompt_batch(examples, pad_token_id, _device(target))
     generator = _generator_on(generator, _device(target))
-    sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0, "eos_token_id": eos_token_id}
+    # vocab: the width shared with the draft, so no id the draft cannot embed is ever sampled (padded targets)
+    sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0, "eos_token_id": eos_token_id, "vocab": vocab}
     models = (target,) if draft is None else (target, draft)
     with generation_mode(*models):
         if draft is None:
@@ -133,6 +135,7 @@ def generate_draft_rollouts(
     eos_token_id: int | list[int] | None,
     pad_token_id: int,
     generator: torch.Generator | None = None,
+    vocab: int | None = None,
 ) -> list[list[int]]:
     """On-policy continuations: the draft samples its own, one batch (KV-cached, through LoRA adapters).
 
@@ -154,6 +157,7 @@ def generate_draft_rollouts(
             top_p=1.0,
             eos_token_id=eos_token_id,
             generator=generator,
+            vocab=vocab,
         )
     return [list(map(int, t)) for t in out.new_tokens]
 
@@ -286,6 +290,7 @@ def make_rollouts(
     generator: torch.Generator | None = None,
     cache: RolloutCache | None = None,
     num_draft_tokens: int | str = 4,
+    vocab: int | None = None,
 ) -> list[Pair]:
     """(prompt_ids, completion_ids) for each example, from `source` (`mix`, and `schedule` at progress 0, are
     resolved by :func:`choose_source`; callers with a budget resolve `schedule` themselves).
@@ -301,6 +306,7 @@ def make_rollouts(
         "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id,
         "generator": generator,
+        "vocab": vocab,
     }
     if source == "fixed":
         missing = [e.index for e in examples if not e.completion_ids]
@@ -339,6 +345,7 @@ def pregenerate_target_rollouts(
     seed: int = 0,
     accelerator: Any = None,
     progress: bool = True,
+    vocab: int | None = None,
 ) -> int:
     """Fill `cache` with target continuations of every example not in it yet, before training starts.
 
@@ -368,6 +375,7 @@ def pregenerate_target_rollouts(
             pad_token_id=pad_token_id,
             generator=generator,
             num_draft_tokens=num_draft_tokens,
+            vocab=vocab,
         )
         cache.put(chunk, completions)
         bar.update(len(chunk))
@@ -391,6 +399,8 @@ class RolloutSource:
         process_index: this process's rank, for its own cache file (None: `RANK` from the environment, as set by
             `accelerate launch`, else 0).
         num_draft_tokens: gamma for the speculative generation of target rollouts.
+        vocab: the logits width target and draft share (``check_compatible``); rollouts sample only below it, so
+            a target with padded embedding rows never emits an id the draft cannot embed. None: each model's own.
     """
 
     def __init__(
@@ -403,10 +413,12 @@ class RolloutSource:
         seed: int = 0,
         process_index: int | None = None,
         num_draft_tokens: int | str = 4,
+        vocab: int | None = None,
     ):
         if process_index is None:
             process_index = int(os.environ.get("RANK", "0"))
         self.cfg, self.target, self.seed, self.num_draft_tokens = cfg, target, seed, num_draft_tokens
+        self.vocab = vocab
         self.eos_token_id = _eos_ids(target, tokenizer)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.cache = None
@@ -438,6 +450,7 @@ class RolloutSource:
             generator=generator,
             cache=self.cache,
             num_draft_tokens=self.num_draft_tokens,
+            vocab=self.vocab,
         )
 
     def pregenerate(
@@ -467,4 +480,5 @@ class RolloutSource:
             seed=self.seed,
             accelerator=accelerator,
             progress=progress,
+            vocab=self.vocab,
         )

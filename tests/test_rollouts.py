@@ -241,3 +241,30 @@ def test_nf4_target_with_lora_draft(pair, models):
     for (prompt, completion), example in zip(pairs, examples):
         assert prompt == example.prompt_ids
         assert completion == _greedy(target, prompt, 8, len(tok))
+
+
+def test_rollouts_never_sample_ids_the_draft_cannot_embed():
+    """A target padded past the draft's width whose padding row dominates: target rollouts (speculative or the
+    target alone) and the shared width keep every sampled id below the draft's width."""
+    from tests.decode_helpers import VOCAB, FixedLogitLM, counter_lm, one_hot_logits
+
+    def fn(ids, pos):
+        logits = one_hot_logits(ids + 1, VOCAB + 8)
+        logits[..., VOCAB + 3] += 40.0  # a padding row the target "prefers"
+        return logits
+
+    target, draft = FixedLogitLM(VOCAB + 8, fn), counter_lm(VOCAB)
+    examples = [Example(0, [5, 6, 7]), Example(1, [9, 10])]
+    kw = dict(eos_token_id=[], pad_token_id=0, generator=torch.Generator().manual_seed(0))
+    cfg = DistillConfig(max_new_tokens=6, gen_temperature=1.0)
+    unbounded = make_rollouts(examples, "target", target, None, cfg, **kw)
+    assert any(t >= VOCAB for _, c in unbounded for t in c)  # without the shared width: padding ids
+    for drafting in (None, draft):
+        pairs = make_rollouts(examples, "target", target, drafting, cfg, vocab=VOCAB, **kw)
+        assert all(t < VOCAB for _, c in pairs for t in c) and all(len(c) == 6 for _, c in pairs)
+    source = RolloutSource(cfg, target, _IdsTokenizer(), vocab=VOCAB)
+    assert all(t < VOCAB for _, c in source.sample(examples, draft, kw["generator"]) for t in c)
+
+
+class _IdsTokenizer:
+    pad_token_id = eos_token_id = 0

@@ -242,6 +242,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         seed=recipe.train.seed,
         process_index=rank,
         num_draft_tokens=recipe.distill.num_draft_tokens,
+        vocab=vocab_size,
     )
     if recipe.distill.source in ("target", "mix") and recipe.distill.cache_rollouts:
         source.pregenerate(train_prompts, rollout_draft, accelerator=accelerator, batch_size=recipe.train.batch_size)
