@@ -20,6 +20,7 @@ import yaml
 from distill.checkpoints import CheckpointInfo, select_best
 from distill.config import TrainConfig
 from distill.training import lr_factor
+from tests.procs import HAS_PROC, child_pids, running
 from tests.tiny import make_pair, make_prompts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -228,19 +229,7 @@ def test_bench_worker_observes_training_through_on_step(assets, tmp_path):
     assert 0 < stats["train_s"] == pytest.approx(report["train_minutes"] * 60, rel=0.05)
 
 
-def child_pids(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(c) for c in path.read_text().split()] if path.is_file() else []
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to find the child process")
+@pytest.mark.skipif(not HAS_PROC, reason="needs /proc to find the child process")
 def test_sigterm_during_the_quickstart_build_stops_it(assets, tmp_path):
     recipe = recipe_dict(assets, tmp_path / "run", target={"model": ""}, draft={"model": ""})
     recipe["build_pair"] = "quickstart"

@@ -18,6 +18,7 @@ from distill.checkpoints import CheckpointInfo, beats, replace_dir, select_best,
 from distill.config import Recipe, RecipeError
 from distill.run_state import RunState, prepare_output_dir
 from distill.training import Timer, eval_metrics
+from tests.procs import HAS_PROC, child_pids, running
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -207,20 +208,8 @@ def test_given_models_build_only_the_prompt_files(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- SIGTERM stops the quickstart build
 
 
-def children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(c) for c in path.read_text().split()] if path.is_file() else []
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to find the child process")
+@pytest.mark.skipif(not HAS_PROC, reason="needs /proc to find the child process")
 def test_sigterm_stops_the_pretraining_child(tmp_path):
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); "
@@ -231,19 +220,19 @@ def test_sigterm_stops_the_pretraining_child(tmp_path):
     child = None
     try:
         deadline = time.time() + 60
-        while not children(parent.pid):
+        while not child_pids(parent.pid):
             assert parent.poll() is None and time.time() < deadline, "the build child never started"
             time.sleep(0.05)
         time.sleep(0.5)  # the parent is waiting on its child now
-        (child,) = children(parent.pid)
+        (child,) = child_pids(parent.pid)
         parent.send_signal(signal.SIGTERM)
         parent.wait(timeout=30)
         deadline = time.time() + 15
-        while alive(child) and time.time() < deadline:
+        while running(child) and time.time() < deadline:
             time.sleep(0.05)
-        assert not alive(child), "the pretraining child outlived its parent"
+        assert not running(child), "the pretraining child outlived its parent"
         assert parent.returncode != 0
     finally:
         for pid in (parent.pid, child):
-            if pid is not None and alive(pid):
+            if pid is not None and running(pid):
                 os.kill(pid, signal.SIGKILL)
