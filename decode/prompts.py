@@ -14,6 +14,7 @@ ones (a leading BOS, say).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,20 @@ def check_row(row: Any, where: str, prompt_field: str = "prompt") -> dict:
             f"keys found: {keys}"
         )
     return row
+
+
+def jsonl_text(rows: Sequence[dict]) -> str:
+    """Rows as JSONL text, one object a line (UTF-8 kept as is)."""
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
+def write_jsonl(rows: Sequence[dict], path: str | Path) -> Path:
+    """Write ``rows`` as a JSONL file atomically (a temporary file renamed into place): never a torn file."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    tmp.write_text(jsonl_text(rows), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
 
 
 def read_jsonl(path: str | Path, prompt_field: str = "prompt") -> list[dict]:

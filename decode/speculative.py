@@ -397,11 +397,11 @@ def _count_round(stats: SpecStats, g: int, accepted: list[int], live_rows: int) 
 
 def _cut_width(vocab: int | None, *models: nn.Module) -> int:
     """The logits width the loops decode over: ``vocab``, which no model's logits may be narrower than."""
-    widest = min(logits_width(m) for m in models)
+    narrowest = min(logits_width(m) for m in models)
     if vocab is None:
-        return widest
-    if not 0 < vocab <= widest:
-        raise ValueError(f"vocab={vocab} must be in 1..{widest} (the narrowest model's logits width)")
+        return narrowest
+    if not 0 < vocab <= narrowest:
+        raise ValueError(f"vocab={vocab} must be in 1..{narrowest} (the narrowest model's logits width)")
     return vocab
 
 

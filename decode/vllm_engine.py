@@ -426,12 +426,11 @@ def _write_samples(path, tokenizer, prompts: list[dict], outputs: dict[str, list
 
 def write_prompts(prompts: Sequence[dict], path: Path) -> Path:
     """Prompt-file items as a JSONL prompt file (what ``python -m decode bench --prompts`` reads)."""
-    with Path(path).open("w", encoding="utf-8") as f:
-        for i, item in enumerate(prompts):
-            row = {k: v for k, v in item.items() if k in ("id", "prompt", "messages")}
-            row.setdefault("id", f"p{i}")
-            f.write(json.dumps(row) + "\n")
-    return Path(path)
+    from decode.prompts import write_jsonl
+
+    rows = [{"id": f"p{i}", **{k: v for k, v in item.items() if k in ("id", "prompt", "messages")}}
+            for i, item in enumerate(prompts)]  # fmt: skip
+    return write_jsonl(rows, path)
 
 
 def bench_in_subprocess(

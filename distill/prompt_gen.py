@@ -20,12 +20,12 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from decode.prompts import jsonl_text, write_jsonl
 from distill import data
 from distill.config import DataConfig
 
@@ -231,9 +231,7 @@ def cached_rows(cfg: DataConfig, target: torch.nn.Module, tokenizer: Any, *, tar
             "raise data.generate_max_tokens or data.generate_num_prompts"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    tmp.replace(path)
+    write_jsonl(rows, path)
     return rows
 
 
@@ -244,12 +242,9 @@ def heldout_path(cfg: DataConfig, target_name: str, cache_dir: Path, seed: int) 
 
 def write_eval_file(rows: list[dict], path: Path) -> None:
     """Write `rows` as a prompt file (atomically; an identical file is left alone)."""
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    if path.is_file() and path.read_text(encoding="utf-8") == text:
+    if path.is_file() and path.read_text(encoding="utf-8") == jsonl_text(rows):
         return
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    write_jsonl(rows, path)
 
 
 def _content(row: dict) -> str:

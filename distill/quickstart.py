@@ -6,11 +6,10 @@ prompts), in the prompt-file format of docs/data.md, so the quickstart needs not
 
 from __future__ import annotations
 
-import json
-import os
 import random
 from pathlib import Path
 
+from decode.prompts import write_jsonl
 from distill.config import CorpusConfig
 from distill.corpus import Document, load_corpus
 from distill.pretraining import ensure_quickstart_pair, quickstart_cache_dir
@@ -33,13 +32,6 @@ def prompt_windows(docs: list[Document], n: int, seed: int, prefix: str) -> list
     return rows
 
 
-def write_jsonl_atomic(rows: list[dict], path: Path) -> Path:
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
-    return path
-
-
 def ensure_stdlib_prompts(cache_dir: Path, rebuild: bool = False) -> tuple[Path, Path]:
     """(train prompts, eval prompts) JSONL files under `cache_dir/prompts`, written once and reused."""
     out = cache_dir / "prompts"
@@ -47,8 +39,8 @@ def ensure_stdlib_prompts(cache_dir: Path, rebuild: bool = False) -> tuple[Path,
     if rebuild or not (train_path.is_file() and eval_path.is_file()):
         out.mkdir(parents=True, exist_ok=True)
         corpus = load_corpus(CorpusConfig(source="python-stdlib", holdout_fraction=0.1))
-        write_jsonl_atomic(prompt_windows(corpus.train, N_TRAIN, seed=0, prefix="train"), train_path)
-        write_jsonl_atomic(prompt_windows(corpus.heldout, N_EVAL, seed=1, prefix="eval"), eval_path)
+        write_jsonl(prompt_windows(corpus.train, N_TRAIN, seed=0, prefix="train"), train_path)
+        write_jsonl(prompt_windows(corpus.heldout, N_EVAL, seed=1, prefix="eval"), eval_path)
     return train_path, eval_path
 
 
