@@ -384,15 +384,17 @@ def run_bench(
         _write_samples(samples_out, tokenizer, prompts, batches, outputs, batch_size)
 
     return {
-        "target": target_name,
-        "draft": draft_name,
-        "n_prompts": len(prompts),
-        "new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "batch_size": batch_size,
-        "num_draft_tokens": num_draft_tokens if num_draft_tokens == "auto" else int(num_draft_tokens),
+        **result_header(
+            target_name,
+            draft_name,
+            len(prompts),
+            max_new_tokens,
+            temperature,
+            top_p,
+            top_k,
+            batch_size,
+            num_draft_tokens,
+        ),  # fmt: skip
         **acceptance_metrics(spec_stats),
         "draft_cost_ratio": c,
         "verify_cost_ratio": v,
@@ -449,6 +451,31 @@ def run_bench(
         "torch_threads": torch.get_num_threads(),
         # 1-minute load average at start and end: timings on a shared machine are only as good as its quiet.
         "load_avg": {"start": load_start, "end": _load_avg()},
+    }
+
+
+def result_header(
+    target: str,
+    draft: str,
+    n_prompts: int,
+    new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    batch_size: int,
+    num_draft_tokens: int | str,
+) -> dict:
+    """The bench JSON's leading keys (what was measured, with which settings), the same for every engine."""
+    return {
+        "target": target,
+        "draft": draft,
+        "n_prompts": n_prompts,
+        "new_tokens": new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "batch_size": batch_size,
+        "num_draft_tokens": num_draft_tokens if num_draft_tokens == "auto" else int(num_draft_tokens),
     }
 
 

@@ -298,7 +298,7 @@ def run_vllm_bench(
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    from decode.bench import _load_avg
+    from decode.bench import _load_avg, result_header
     from decode.metrics import speedup_ci95
     from decode.prompts import encode_prompts
 
@@ -369,15 +369,17 @@ def run_vllm_bench(
     acceptance = acceptance_from_counters(counters)
     null_hf = {"hf_assisted": None, "hf_assisted_same_kernels": None, "hf_assisted_published": None}
     return {
-        "target": target_name or target,
-        "draft": draft_name or draft,
-        "n_prompts": len(prompts),
-        "new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "batch_size": batch_size,
-        "num_draft_tokens": num_draft_tokens,
+        **result_header(
+            target_name or target,
+            draft_name or draft,
+            len(prompts),
+            max_new_tokens,
+            temperature,
+            top_p,
+            top_k,
+            batch_size,
+            num_draft_tokens,
+        ),  # fmt: skip
         **acceptance,
         # vLLM does not expose standalone forward times: no c, v or cost-model figures.
         "draft_cost_ratio": None,
