@@ -145,7 +145,7 @@ def _config_vocab(path: str) -> int:
 
 def draft_dir_for_vllm(target: str, draft: str, dtype: str, scratch: Path) -> str:
     """``draft`` itself when vLLM accepts it next to ``target``, else a copy under ``scratch`` with the target's
-    vocab_size (the padded rows never win an argmax: see ``distill.publish.match_vocab``)."""
+    vocab_size (the padded rows never win an argmax: see ``distill.draft_folder.match_vocab``)."""
     want = _config_vocab(target)
     if _config_vocab(draft) == want:
         return draft

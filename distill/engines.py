@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from distill.checkpoints import write_json_atomic
 from distill.config import Recipe
 
 
@@ -110,8 +111,6 @@ def measure_extra_engines(best: Path, recipe: Recipe, prompts: Sequence[dict]) -
         result = benches[engine](best, recipe, prompts, dtype)
         result["draft"] = str(best)
         out = best / f"eval_{engine}.json"
-        tmp_out = out.with_suffix(".json.tmp")
-        tmp_out.write_text(json.dumps(result, indent=2) + "\n")
-        tmp_out.replace(out)  # never a half-written eval file
+        write_json_atomic(out, result)  # never a half-written eval file
         written.append(out)
     return written
