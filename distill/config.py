@@ -144,6 +144,11 @@ class DistillConfig:
         "source=schedule: fraction of the training budget (train.schedule_by) after which batches are on-policy; "
         "target continuations before it are generated on the training clock and cached",
     )
+    loss_positions: Literal["completion", "all"] = _f(
+        "completion",
+        "positions the loss covers: the completion tokens, or all (the prompt's too: the teacher's distributions "
+        "on the prompt text come from the same forward passes, so more supervised tokens per step at little cost)",
+    )
     completion_field: str = _f("completion", "source=fixed: the dataset field holding the completion")
     max_new_tokens: int = _f(64, "length of generated continuations")
     gen_temperature: float = _f(1.0, "sampling temperature for generated continuations")

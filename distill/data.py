@@ -287,22 +287,31 @@ def collate_prompts(
     return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
 
 
+LOSS_POSITIONS = ("completion", "all")
+
+
 def collate_training(
     pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
     pad_token_id: int,
     device: str | torch.device | None = None,
+    loss_positions: str = "completion",
 ) -> dict[str, torch.Tensor]:
     """Right-padded prompt + completion batch for the distillation forward passes.
 
     Args:
         pairs: (prompt_ids, completion_ids) per row; both non-empty.
         pad_token_id: fills the padding (its value never matters: masks come from lengths).
+        loss_positions: `completion` (the loss covers the completion tokens) or `all` (every token after the
+            first: the teacher's distributions on the prompt text too, from the forward passes already run).
 
     Returns:
         input_ids [batch, L] prompt then completion, right-padded (positions 0.. match an unpadded forward);
         attention_mask [batch, L], 1 on prompt and completion tokens;
-        loss_mask [batch, L] aligned with the logits: 1 at t iff input_ids[:, t + 1] is a completion token.
+        loss_mask [batch, L] aligned with the logits: 1 at t iff input_ids[:, t + 1] is a completion token
+        (`all`: any token of the row).
     """
+    if loss_positions not in LOSS_POSITIONS:
+        raise ValueError(f"loss_positions {loss_positions!r} is not one of {', '.join(LOSS_POSITIONS)}")
     if not pairs:
         raise ValueError("collate_training needs at least one (prompt_ids, completion_ids) pair")
     for b, (p, c) in enumerate(pairs):
@@ -316,7 +325,8 @@ def collate_training(
         n_p, n = len(p), len(p) + len(c)
         input_ids[b, :n] = torch.as_tensor([*p, *c], dtype=torch.long)
         attention_mask[b, :n] = 1
-        loss_mask[b, n_p - 1 : n - 1] = 1  # the logits that predict completion tokens n_p .. n - 1
+        first = n_p - 1 if loss_positions == "completion" else 0
+        loss_mask[b, first : n - 1] = 1  # the logits that predict tokens first + 1 .. n - 1
     return {
         "input_ids": input_ids.to(device),
         "attention_mask": attention_mask.to(device),

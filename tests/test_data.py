@@ -264,6 +264,19 @@ def test_collate_training_masks_from_lengths_not_ids():
         collate_training([([1], [2]), ([1], [])], 0)
 
 
+def test_collate_training_all_positions_covers_prompt_and_completion_but_never_padding():
+    pairs = [([5, 6, 7], [8, 9, 0]), ([5], [0, 4])]
+    batch = collate_training(pairs, pad_token_id=0, loss_positions="all")
+    assert batch["loss_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]]
+    for b, (prompt, completion) in enumerate(pairs):
+        t = batch["loss_mask"][b].nonzero().squeeze(1)
+        assert batch["input_ids"][b, t + 1].tolist() == (prompt + completion)[1:]
+    # the default is unchanged: completion tokens only
+    assert collate_training(pairs, 0)["loss_mask"].tolist() == [[0, 0, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="loss_positions 'prompt' is not one of completion, all"):
+        collate_training(pairs, 0, loss_positions="prompt")
+
+
 def test_training_batch_gives_the_unpadded_loss():
     """Right padding leaves positions alone: a padded row's masked logits equal its unpadded forward's."""
     model = tiny_llama(32, seed=0, special_id=None)

@@ -295,7 +295,10 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                         check_weights_finite(draft, step, ckpt_root)  # diverged weights make sampling fail first
                         raise
                     gen_s += time.perf_counter() - g0
-                    batch = data.collate_training(pairs, tokenizer.pad_token_id, device=accelerator.device)
+                    batch = data.collate_training(
+                        pairs, tokenizer.pad_token_id, device=accelerator.device,
+                        loss_positions=recipe.distill.loss_positions,
+                    )  # fmt: skip
                     with accelerator.accumulate(draft):
                         student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                         with torch.no_grad():
