@@ -19,9 +19,9 @@ draft's acceptance and speedup and the minutes it took to first pass the base dr
 `--parallel` trains both sides at the same time, each process pinned to its own CPUs (`--threads` each, so it
 needs 2 x --threads CPUs), and splits the evaluation over two pinned processes; without it the processes run
 one after the other (the default). Expected wall time of `--minutes 20 --parallel` with the defaults (5 marks,
-30 eval prompts) on 2 CPU cores: about 35 min: 20 min of training, ~2 min of loading and draftsmith's
-1-prompt in-run evaluations, ~12 min evaluating 11 drafts (base + 5 per side, 6 per process; evaluate() also
-times target-only decoding, for the speedup column). Sequential: about 55 min.
+30 eval prompts) on 2 CPU cores: about 32 min: 20 min of training, ~2 min of loading and draftsmith's
+1-prompt in-run evaluations, ~10 min evaluating 11 drafts (base + 5 per side, 6 per process at ~1.5 min each;
+evaluate() also times target-only decoding, for the speedup column). Sequential: about 60 min.
 
 The mapping (TRL 1.16.0, `trl.experimental.gkd`):
 * Loss: TRL's generalized JSD(beta) uses `F.kl_div(student_log_probs, teacher_log_probs)` at beta = 0, which is
@@ -280,9 +280,14 @@ def trl_config_kwargs(s: Shared, output_dir: Path) -> dict[str, Any]:
     }
 
 
-def shared_block(s: Shared, recipe_name: str) -> str:
+def shared_block(s: Shared, recipe: Any, recipe_name: str) -> str:
     """The printed `Shared` block: what both sides do alike, and what differs by design."""
     lines = [f"Shared (recipe {recipe_name}):"]
+    lines.append(f"  pair: target {recipe.target.model} ({recipe.target.dtype}), draft {recipe.draft.model}")
+    lines.append(
+        f"  prompts: {recipe.data.train_prompts}, tokenised once by draftsmith's encode_examples (at most "
+        f"{s.max_prompt_tokens} tokens): identical prompt token ids on both sides"
+    )
     lines += [f"  {k}: {v}" for k, v in dataclasses.asdict(s).items()]
     lines.append(f"  TRL: beta {s.beta} for {s.loss}, lmbda {s.lmbda} on-policy + seq_kd target-generated")
     lines.append(f"  generation: {'greedy' if s.gen_temperature == 0 else f'temperature {s.gen_temperature}'}")
@@ -365,6 +370,30 @@ def load_trl() -> tuple[type, type]:
     return GKDConfig, GKDTrainer
 
 
+def bench_trainer_class(gkd_trainer: type, greedy: bool) -> type:
+    """GKDTrainer counting the tokens it trains on, averaging its loss over the generated tokens, and
+    generating greedily when the recipe's distill.gen_temperature is 0 (GKD samples by default)."""
+
+    class BenchGKDTrainer(gkd_trainer):
+        tokens = 0
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if greedy:  # both: generate() gets the config, and the kwargs override the model's own config
+                self.generation_config.do_sample = False
+                self.generation_kwargs["do_sample"] = False
+
+        def compute_loss(
+            self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
+        ) -> Any:
+            # inputs hold the generated batch here; count its tokens like draftsmith counts its batches
+            BenchGKDTrainer.tokens += int(inputs["attention_mask"].sum())
+            # num_items_in_batch counts the collator's labels, before generation replaced them (0 here)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch=None)
+
+    return BenchGKDTrainer
+
+
 def worker_trl(spec: dict) -> None:
     """TRL's GKDTrainer on the same models (draftsmith's loaders: same dtypes and device) and prompt tokens,
     saving a snapshot at every minute mark."""
@@ -391,22 +420,7 @@ def worker_trl(spec: dict) -> None:
         [{"prompt": "", "input_ids": e.prompt_ids, "completion_mask": [0] * len(e.prompt_ids)} for e in examples]
     )
 
-    class BenchGKDTrainer(GKDTrainer):
-        tokens = 0
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            if s.gen_temperature == 0:  # GKD samples by default; the recipe generates greedily
-                self.generation_config.do_sample = False
-                self.generation_kwargs["do_sample"] = False
-
-        def compute_loss(
-            self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
-        ) -> Any:
-            # inputs hold the generated batch here; count its tokens like draftsmith counts its batches
-            BenchGKDTrainer.tokens += int(inputs["attention_mask"].sum())
-            # num_items_in_batch counts the collator's labels, before generation replaced them (0 here)
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch=None)
+    BenchGKDTrainer = bench_trainer_class(GKDTrainer, greedy=s.gen_temperature == 0)
 
     class SnapshotAtMarks(TrainerCallback):
         """Save the draft when the training clock passes each mark (the clock paused while saving); stop
@@ -770,7 +784,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     recipe_path = str(save_recipe(recipe, out, RECIPE_FILE))  # overrides applied: every worker reads this
     print(f"recipe {args.recipe}: target {recipe.target.model} ({recipe.target.dtype}), draft {recipe.draft.model}")
-    print(shared_block(s, args.recipe))
+    print(shared_block(s, recipe, args.recipe))
     overrides = " ".join(draftsmith_overrides(s, args.minutes, args.marks, out / "draftsmith"))
     print(f"draftsmith: python train/distill.py --recipe {recipe_path} --overwrite {overrides}")
     print(f"TRL {trl_version}: GKDConfig({json.dumps(trl_config_kwargs(s, out / 'trl'))})")

@@ -233,3 +233,34 @@ def test_a_run_evaluates_at_minute_marks_and_records_train_minutes(tmp_path):
     train_rows = [r for r in logged if "train/loss" in r]
     assert len(train_rows) == 3
     assert [r["train/minutes"] for r in train_rows] == pytest.approx(minutes[1:], rel=1e-3)
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="needs trl (pip install trl==1.16.0)")
+@pytest.mark.parametrize("gen_temperature", [0.0, 1.0])
+def test_trl_side_generates_greedily_when_the_recipe_does(tmp_path, gen_temperature):
+    from datasets import Dataset
+
+    from distill import models
+    from distill.config import ModelConfig
+
+    GKDConfig, GKDTrainer = bench.load_trl()
+    target_dir, draft_dir = make_pair(tmp_path / "pair")
+    tokenizer = models.load_tokenizer(str(target_dir))
+    target = models.load_target(ModelConfig(model=str(target_dir), dtype="float32"))
+    draft = models.load_draft(ModelConfig(model=str(draft_dir), dtype="float32"))
+    s = bench.Shared(gen_temperature=gen_temperature, max_new_tokens=8, batch_size=2, max_prompt_tokens=16)
+    prompts = [tokenizer("def add(a, b):")["input_ids"], tokenizer("class Point:")["input_ids"]]
+    dataset = Dataset.from_list([{"prompt": "", "input_ids": p, "completion_mask": [0] * len(p)} for p in prompts])
+    trainer_class = bench.bench_trainer_class(GKDTrainer, greedy=gen_temperature == 0)
+    trainer = trainer_class(
+        model=draft,
+        teacher_model=target,
+        args=GKDConfig(**bench.trl_config_kwargs(s, tmp_path / "trl")),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    runs = [trainer.generate_on_policy_outputs(draft, batch, trainer.generation_config)[0] for _ in range(3)]
+    same = all(torch.equal(runs[0], r) for r in runs[1:])
+    assert trainer.generation_config.do_sample is (gen_temperature > 0)
+    assert same is (gen_temperature == 0)  # sampling at temperature 1 differs between draws; greedy never does
