@@ -771,13 +771,13 @@ def main(argv: list[str] | None = None) -> None:
         pin_to(spec.get("cpus"))  # before torch starts its threads
         WORKERS[args.worker](spec)
         return
-    trl_version = check_trl()
     check_args(args)
     recipe = load_bench_recipe(args.recipe, args.overrides)
     try:
         s = shared_from_recipe(recipe)
     except ValueError as err:
         fail(str(err))
+    trl_version = check_trl()
     from distill.config import save_recipe
 
     out = Path(args.out).resolve()

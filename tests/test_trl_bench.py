@@ -264,3 +264,37 @@ def test_trl_side_generates_greedily_when_the_recipe_does(tmp_path, gen_temperat
     same = all(torch.equal(runs[0], r) for r in runs[1:])
     assert trainer.generation_config.do_sample is (gen_temperature > 0)
     assert same is (gen_temperature == 0)  # sampling at temperature 1 differs between draws; greedy never does
+
+
+@pytest.fixture(scope="module")
+def tiny_overrides(tmp_path_factory) -> list[str]:
+    """Recipe overrides pointing the default recipe at a tiny pair and prompt files."""
+    root = tmp_path_factory.mktemp("tiny")
+    target, draft = make_pair(root)
+    train, dev = make_prompts(root / "train.jsonl", 4), make_prompts(root / "dev.jsonl", 2, seed=1)
+    return [
+        f"target.model={target}",
+        f"draft.model={draft}",
+        f"data.train_prompts={train}",
+        f"data.eval_prompts={dev}",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "names"),
+    [
+        (["target.model=no/such/dir"], "target.model"),
+        (["data.train_prompts=missing.jsonl"], "data.train_prompts"),
+        (["distill.loss=tvd"], "distill.loss=tvd"),
+        (["distill.temperature=2.0"], "distill.temperature=1.0"),
+        (["--marks", "0"], "--marks"),
+    ],
+)
+def test_bad_inputs_are_one_error_line(capsys, tmp_path, tiny_overrides, extra, names):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(
+            ["--recipe", str(REPO / bench.DEFAULT_RECIPE), "--out", str(tmp_path / "out"), *tiny_overrides, *extra]
+        )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and names in err[0], err
+    assert not (tmp_path / "out").exists()  # nothing written before the inputs are checked
