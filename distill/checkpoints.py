@@ -32,7 +32,8 @@ class CheckpointInfo:
     """What selection needs to know about one evaluated checkpoint.
 
     `speedup_ci95` is the bench's 95% interval on `speedup` (None when the bench gave none: the interval is
-    then the point value itself).
+    then the point value itself). `train_minutes` is the train.max_minutes clock at that step (0 at step 0;
+    None in rows written before it was recorded), so the checkpoints form a curve against training time.
     """
 
     step: int
@@ -40,6 +41,7 @@ class CheckpointInfo:
     acceptance_rate: float
     loss: float | None
     speedup_ci95: tuple[float, float] | None = None
+    train_minutes: float | None = None
 
     @property
     def interval(self) -> tuple[float, float]:
@@ -53,13 +55,21 @@ class CheckpointInfo:
             "speedup_ci95": list(self.speedup_ci95) if self.speedup_ci95 else None,
             "acceptance_rate": self.acceptance_rate,
             "loss": self.loss,
+            "train_minutes": self.train_minutes,
         }
 
     @classmethod
     def from_dict(cls, row: dict[str, Any]) -> CheckpointInfo:
-        """Inverse of `as_dict` (rows written before intervals were recorded have none)."""
+        """Inverse of `as_dict` (rows written before intervals or training minutes were recorded have none)."""
         ci = row.get("speedup_ci95")
-        return cls(row["step"], row["speedup"], row["acceptance_rate"], row.get("loss"), tuple(ci) if ci else None)
+        return cls(
+            row["step"],
+            row["speedup"],
+            row["acceptance_rate"],
+            row.get("loss"),
+            tuple(ci) if ci else None,
+            row.get("train_minutes"),
+        )
 
     @classmethod
     def from_eval(cls, step: int, result: dict[str, Any]) -> CheckpointInfo:
@@ -70,6 +80,7 @@ class CheckpointInfo:
             acceptance_rate=float(result["acceptance_rate"]),
             loss=result.get("train_loss"),
             speedup_ci95=speedup_ci95(result),
+            train_minutes=result.get("train_minutes"),
         )
 
 

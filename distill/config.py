@@ -215,6 +215,7 @@ class EvalConfig:
     """The speculative-decoding bench run at step 0, every `every` steps and at the end."""
 
     every: int = _f(50, "optimizer steps between evaluations")
+    every_minutes: float = _f(0.0, "also evaluate each time the training clock passes a multiple of this (0: off)")
     num_prompts: int = _f(16, "eval prompts used per evaluation")
     max_new_tokens: int = _f(64, "new tokens per eval prompt")
     temperature: float = _f(0.0, "0 = greedy; >0 samples (lossless either way)")
@@ -230,6 +231,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _check(self.every > 0, "eval.every", f"must be > 0, got {self.every}")
+        _check(self.every_minutes >= 0, "eval.every_minutes", f"must be >= 0 (0: off), got {self.every_minutes}")
         valid = ", ".join(ENGINES)
         _check(self.engine in ENGINES, "eval.engine", f"unknown engine {self.engine!r}; choose one of {valid}")
         for name in self.extra_engines:

@@ -247,8 +247,9 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     if recipe.distill.source in ("target", "mix") and recipe.distill.cache_rollouts:
         source.pregenerate(train_prompts, rollout_draft, accelerator=accelerator, batch_size=recipe.train.batch_size)
 
-    def evaluate_and_save(step: int, loss: float | None) -> None:
-        """The checkpoint of `step`: evaluated on the main process, then saved by every process."""
+    def evaluate_and_save(step: int, loss: float | None, train_s: float) -> None:
+        """The checkpoint of `step` (`train_s` training seconds in): evaluated on the main process, then saved
+        by every process."""
         result = None
         # all ranks join the gather of a sharded draft; the others then wait (train.dist_timeout_minutes)
         full = distributed.full_draft(
@@ -259,13 +260,13 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             result = evaluate_checkpoint(full, target, tokenizer, eval_rows, recipe, tmp / "samples.jsonl")
-            result.update(train_loss=loss, step=step)
+            result.update(train_loss=loss, step=step, train_minutes=train_s / 60.0)
             log_evaluation(metrics, result, eval_rows, step, tmp)
         save_checkpoint(accelerator, state, full, tokenizer, step, result)
 
     # ---- loop
     if start_step == 0:
-        evaluate_and_save(0, None)
+        evaluate_and_save(0, None, 0.0)
     timer = Timer(recipe.train.max_minutes, elapsed_s=state.train_s)
     clock.elapsed_s = timer.elapsed_s
     draft.train()
@@ -281,6 +282,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
             with timer.running():
                 t0 = time.perf_counter()
                 gen_s, n_tokens, batch_tokens, loss_sum, agree_sum = 0.0, 0, 0, 0.0, 0.0
+                clock_before_s = clock.elapsed_s
                 for micro in range(recipe.train.grad_accum):
                     idx = batch_indices(step, micro, recipe.train, len(train_prompts), rank, world)
                     g0 = time.perf_counter()
@@ -345,6 +347,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                         "train/top1_agreement": agree_sum / recipe.train.grad_accum,
                         "train/rollout_s": gen_s,
                         "train/on_policy": float(source.last_source == "draft"),
+                        "train/minutes": timer.elapsed_s / 60.0,
                     },
                     step=step,
                 )
@@ -353,8 +356,10 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                 on_step(StepReport(step, last_loss, batch_tokens, recipe.train.grad_accum, timer.elapsed_s))
             out_of_time = time_is_up(accelerator, timer)
             state.train_s = timer.elapsed_s
-            if step % recipe.eval.every == 0 or step == recipe.train.max_steps or out_of_time:
-                evaluate_and_save(step, last_loss)
+            # the minute marks are read off the shared clock, so every rank evaluates at the same step
+            minute_mark = crossed_minute_mark(clock_before_s, clock.elapsed_s, recipe.eval.every_minutes)
+            if step % recipe.eval.every == 0 or step == recipe.train.max_steps or out_of_time or minute_mark:
+                evaluate_and_save(step, last_loss, timer.elapsed_s)
             elif recipe.train.save_every and step % recipe.train.save_every == 0:
                 save_state_only(accelerator, state, step)
             if out_of_time:
@@ -489,6 +494,15 @@ def shared_elapsed_s(accelerator, timer: Timer) -> float:
     if accelerator.num_processes == 1:
         return timer.elapsed_s
     return float(accelerator.reduce(torch.tensor([timer.elapsed_s], device=accelerator.device), reduction="mean"))
+
+
+def crossed_minute_mark(before_s: float, after_s: float, every_minutes: float) -> bool:
+    """True when the training clock passed a multiple of `every_minutes` (eval.every_minutes; 0: never) during
+    the step that moved it from `before_s` to `after_s` seconds."""
+    if every_minutes <= 0:
+        return False
+    period_s = every_minutes * 60.0
+    return math.floor(after_s / period_s) > math.floor(before_s / period_s)
 
 
 def time_is_up(accelerator, timer: Timer) -> bool:
