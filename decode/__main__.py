@@ -105,9 +105,26 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def _load(path: str, dtype, device, key: str):
     from decode import sources
 
-    model = sources.load_model(path, key=key, dtype=dtype).to(device).eval()  # a .gguf file is dequantized
-    tokenizer = sources.load_tokenizer(path, key=key)
-    return model, tokenizer
+    return sources.load_model(path, key=key, dtype=dtype).to(device).eval()  # a .gguf file is dequantized
+
+
+def check_inputs(args: argparse.Namespace) -> tuple:
+    """The two tokenizers and the prompts, checked before any weights load: both models loadable (a GGUF file's
+    architecture too), their vocabularies compatible by their configs, chat prompts only with a chat template.
+
+    Returns:
+        (target tokenizer, draft tokenizer, prompt rows).
+    """
+    from decode import sources
+    from decode.compat import check_vocab_compatible
+    from decode.prompts import load_prompts
+
+    target_tok = sources.load_tokenizer(args.target, key="--target")
+    draft_tok = sources.load_tokenizer(args.draft, key="--draft")
+    target_shape = sources.ConfigOnly(sources.load_config(args.target, key="--target"), args.target)
+    draft_shape = sources.ConfigOnly(sources.load_config(args.draft, key="--draft"), args.draft)
+    check_vocab_compatible(target_shape, draft_shape, target_tok, draft_tok)
+    return target_tok, draft_tok, load_prompts(args.prompts, tokenizer=target_tok)
 
 
 def plot(result: dict, out: str | Path) -> None:
@@ -151,19 +168,18 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
 
     from decode.bench import run_bench
     from decode.compat import check_vocab_compatible
-    from decode.prompts import load_prompts
 
+    target_tok, draft_tok, prompts = check_inputs(args)
     device = (
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if args.device == "auto"
         else torch.device(args.device)
     )
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(device)
-    target, target_tok = _load(args.target, dtype, device, "--target")
+    target = _load(args.target, dtype, device, "--target")
     draft_dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else dtype
-    draft, draft_tok = _load(args.draft, draft_dtype, device, "--draft")
-    check_vocab_compatible(target, draft, target_tok, draft_tok)
-    prompts = load_prompts(args.prompts, tokenizer=target_tok)
+    draft = _load(args.draft, draft_dtype, device, "--draft")
+    check_vocab_compatible(target, draft, target_tok, draft_tok)  # the loaded output widths (padded embeddings)
     if args.limit is not None:
         prompts = prompts[: args.limit]
     result = run_bench(

@@ -90,6 +90,32 @@ def _plain(model: Any) -> Any:
     return model
 
 
+def load_config(name: str, *, key: str = "model", **kwargs: Any) -> Any:
+    """`AutoConfig.from_pretrained(name, **kwargs)`, also for a `.gguf` file (from its header: no tensor is read)."""
+    from transformers import AutoConfig
+
+    if is_gguf(name):
+        directory, file = _split(check_gguf(name, key))
+        kwargs = {k: v for k, v in kwargs.items() if k != "revision"}  # a local file has no revisions
+        try:
+            return AutoConfig.from_pretrained(directory, gguf_file=file, **kwargs)
+        except (OSError, ValueError, KeyError, NotImplementedError) as e:
+            raise ValueError(f"{key} {name!r}: no config could be read from the GGUF file: {_first_line(e)}") from e
+    try:
+        return AutoConfig.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{key} {name!r}: no model config could be loaded: {_first_line(e)}") from e
+
+
+class ConfigOnly:
+    """A model known by its config alone, no weights: all that decode.compat's vocabulary check reads of it
+    (the output width from `config.vocab_size`, the name for messages)."""
+
+    def __init__(self, config: Any, name: str) -> None:
+        self.config = config
+        self.name_or_path = name
+
+
 def load_model(name: str, *, key: str = "model", **kwargs: Any) -> Any:
     """`AutoModelForCausalLM.from_pretrained(name, **kwargs)`, also for a `.gguf` file (dequantized).
 
