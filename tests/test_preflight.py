@@ -21,7 +21,7 @@ import yaml
 
 from distill.config import load_recipe
 from distill.preflight import check_inputs
-from tests.tiny import CHAR_VOCAB, char_tokenizer, swap_ids, tiny_config
+from tests.tiny import CHAR_VOCAB, bpe_tokenizer, char_tokenizer, swap_ids, tiny_config
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is needed to write test GGUF files (pip install gguf)")
 
@@ -64,6 +64,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "swapped": weightless(root / "swapped", swap_ids(char_tokenizer(), 5, 6)),  # same size, other tokens
         "narrow": weightless(root / "narrow", char_tokenizer(), vocab_size=CHAR_VOCAB - 10),
         "padded": weightless(root / "padded", char_tokenizer(), vocab_size=CHAR_VOCAB + 32),
+        "bpe": weightless(root / "bpe", bpe := bpe_tokenizer(), vocab_size=len(bpe)),  # wider than the char ones
         "odd": made_up_gguf(root / "odd.gguf"),
         "raw": jsonl(root / "raw.jsonl", [{"prompt": "def f(x):"}, {"prompt": "import os"}]),
         "chat": jsonl(root / "chat.jsonl", [{"prompt": "def f(x):"}, CHAT_ROW]),
@@ -118,6 +119,10 @@ BAD = {
     "draft narrower than the tokenizer": (
         {"draft": {"model": "narrow"}},
         ["target.model", "draft.model", "narrow", f"only {CHAR_VOCAB - 10} logits", "resize_token_embeddings"],
+    ),
+    "draft of another, narrower tokenizer": (
+        {"target": {"model": "bpe"}},  # resizing the draft's embeddings would not help: the tokens differ
+        ["target.model", "draft.model", "bpe", "differ first at id", "use a draft trained with the target's"],
     ),
     "chat rows, no chat template": (
         {"data": {"train_prompts": "chat"}},
@@ -232,6 +237,7 @@ def test_distill_message_names_a_gguf_target_by_its_file(inputs, tmp_path, tiny_
 
 BENCH_BAD = {
     "draft tokenizer differs": ("target", "swapped", "raw", ["error: vocabulary mismatch", "differ first at id 5"]),
+    "draft of another, narrower tokenizer": ("bpe", "draft", "raw", ["error: vocabulary mismatch", "differ first"]),
     "chat rows, no chat template": ("target", "draft", "chat", ["error: chat prompts need a chat template"]),
     "unknown GGUF architecture as target": ("odd", "draft", "raw", ["error: --target", "'madeup'", "supported: "]),
     "unknown GGUF architecture as draft": ("target", "odd", "raw", ["error: --draft", "'madeup'", "supported: "]),
