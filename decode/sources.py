@@ -11,8 +11,9 @@ load; anything else is one `ValueError` line. The `gguf` package is needed only 
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 GGUF_SUFFIX = ".gguf"
 GGUF_INSTALL = "pip install gguf"
@@ -37,14 +38,68 @@ def supported_gguf_architectures() -> list[str]:
     return sorted(GGUF_SUPPORTED_ARCHITECTURES)
 
 
+# GGUF key-value types: fixed sizes in bytes; 8 is a string, 9 an array (element type, count, elements).
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
 def gguf_architecture(path: str | Path) -> str:
-    """The `general.architecture` string stored in a GGUF file's header (e.g. "llama")."""
+    """The `general.architecture` string stored in a GGUF file's header (e.g. "llama"); "" if it has none.
+
+    The header is read only up to that key (written first, as a rule), not through the token list after it:
+    milliseconds instead of the seconds a full parse of a 49k-token vocabulary takes.
+
+    Raises:
+        ValueError: not a GGUF file (bad magic), or the header ends early.
+    """
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError("bad magic: not a GGUF file")
+        try:
+            version, _, n_keys = struct.unpack("<IQQ", f.read(20))  # version, tensor count, key-value count
+            if version not in (2, 3):  # big-endian or obsolete: gguf's full reader knows those
+                return _parsed_architecture(path)
+            for _ in range(n_keys):
+                key = _gguf_string(f)
+                kind = _gguf_u32(f)
+                if key == "general.architecture" and kind == _GGUF_STRING:
+                    return _gguf_string(f)
+                _skip_gguf_value(f, kind)
+        except struct.error:
+            raise ValueError("the GGUF header ends early: the file is truncated") from None
+    return ""
+
+
+def _parsed_architecture(path: str | Path) -> str:
     from gguf import GGUFReader
 
     field = GGUFReader(str(path)).fields.get("general.architecture")
-    if field is None:
-        return ""
-    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    return "" if field is None else bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+
+
+def _gguf_u32(f: BinaryIO) -> int:
+    return struct.unpack("<I", f.read(4))[0]
+
+
+def _gguf_string(f: BinaryIO) -> str:
+    (n,) = struct.unpack("<Q", f.read(8))
+    return f.read(n).decode("utf-8", errors="replace")
+
+
+def _skip_gguf_value(f: BinaryIO, kind: int) -> None:
+    if kind == _GGUF_STRING:
+        f.seek(struct.unpack("<Q", f.read(8))[0], 1)
+    elif kind == _GGUF_ARRAY:
+        element, count = struct.unpack("<IQ", f.read(12))
+        if element in _GGUF_SIZES:
+            f.seek(_GGUF_SIZES[element] * count, 1)
+        else:
+            for _ in range(count):
+                _skip_gguf_value(f, element)
+    elif kind in _GGUF_SIZES:
+        f.seek(_GGUF_SIZES[kind], 1)
+    else:
+        raise ValueError(f"unknown GGUF value type {kind}")
 
 
 def check_gguf(name: str | Path, key: str = "model") -> Path:

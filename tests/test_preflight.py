@@ -258,3 +258,20 @@ def test_bench_refuses_before_loading_weights(inputs, tmp_path, capsys, case):
     assert len([line for line in lines if line.startswith("error:")]) == 1, lines
     assert all(n in lines[-1] for n in needles), lines[-1]
     assert not captured.out and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- the GGUF header read
+
+
+def test_gguf_architecture_reads_the_header_as_gguf_does(inputs, tiny_gguf, tmp_path):
+    from gguf import GGUFReader
+
+    from decode import sources
+
+    for path in (str(tiny_gguf[0]), inputs["odd"]):
+        field = GGUFReader(path).fields["general.architecture"]
+        assert sources.gguf_architecture(path) == bytes(field.parts[field.data[0]]).decode()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(Path(tiny_gguf[0]).read_bytes()[:30])
+    with pytest.raises(ValueError, match=r"cut.gguf' is not a readable GGUF file \(the GGUF header ends early"):
+        sources.check_gguf(cut, key="target.model")
