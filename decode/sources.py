@@ -31,11 +31,20 @@ def _require_gguf_package(name: str, key: str) -> None:
         raise ValueError(f"{key} {name!r} is a GGUF file, which needs the gguf package: {GGUF_INSTALL}") from None
 
 
+# llama.cpp's spellings that transformers renames to one of its GGUF architectures when it loads the file.
+GGUF_ALIASES = {
+    "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2",
+    "t5encoder": "t5",
+}  # fmt: skip
+_NOT_ARCHITECTURES = {"general", "tokenizer"}  # sections of transformers' GGUF mapping, not model types
+
+
 def supported_gguf_architectures() -> list[str]:
-    """The `general.architecture` values transformers can turn into a model."""
+    """The `general.architecture` values transformers can turn into a model (llama.cpp's aliases included)."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    return sorted(GGUF_SUPPORTED_ARCHITECTURES)
+    known = set(GGUF_SUPPORTED_ARCHITECTURES) - _NOT_ARCHITECTURES
+    return sorted(known | {alias for alias, name in GGUF_ALIASES.items() if name in known})
 
 
 # GGUF key-value types: fixed sizes in bytes; 8 is a string, 9 an array (element type, count, elements).

@@ -37,9 +37,9 @@ def weightless(directory: Path, tokenizer, **config) -> str:
     return str(directory)
 
 
-def made_up_gguf(path: Path) -> str:
-    """A GGUF file whose `general.architecture` no library knows."""
-    writer = gguf.GGUFWriter(str(path), "madeup")
+def made_up_gguf(path: Path, arch: str = "madeup") -> str:
+    """A GGUF file of architecture `arch` (by default one no library knows) with one tensor."""
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -275,3 +275,19 @@ def test_gguf_architecture_reads_the_header_as_gguf_does(inputs, tiny_gguf, tmp_
     cut.write_bytes(Path(tiny_gguf[0]).read_bytes()[:30])
     with pytest.raises(ValueError, match=r"cut.gguf' is not a readable GGUF file \(the GGUF header ends early"):
         sources.check_gguf(cut, key="target.model")
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "gpt-oss", "minimax-m2"])
+def test_llama_cpp_spellings_transformers_renames_are_accepted(tmp_path, arch):
+    from decode import sources
+
+    path = made_up_gguf(tmp_path / f"{arch}.gguf", arch)
+    assert sources.check_gguf(path, key="target.model") == Path(path)
+
+
+def test_mapping_sections_are_not_offered_as_architectures(tmp_path):
+    from decode import sources
+
+    with pytest.raises(ValueError, match="architecture 'general' cannot be loaded") as e:
+        sources.check_gguf(made_up_gguf(tmp_path / "g.gguf", "general"), key="--draft")
+    assert "tokenizer" not in str(e.value) and "llama" in str(e.value) and "qwen3moe" in str(e.value)
