@@ -214,9 +214,11 @@ def load_tokenizer(name: str, *, key: str = "tokenizer", **kwargs: Any) -> Any:
         directory, file = _split(check_gguf(name, key))
         kwargs = {k: v for k, v in kwargs.items() if k != "revision"}  # a local file has no revisions
         try:
-            return AutoTokenizer.from_pretrained(directory, gguf_file=file, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file, **kwargs)
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"{key} {name!r}: no tokenizer could be read from the GGUF file: {_first_line(e)}") from e
+        tokenizer.name_or_path = str(name)  # messages name it by its file, not by the folder it was read from
+        return tokenizer
     try:
         return AutoTokenizer.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:

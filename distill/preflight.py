@@ -40,9 +40,10 @@ def check_inputs(recipe: Recipe) -> None:
     draft = None if recipe.draft.init == "truncate" else _known_model(recipe.draft, "draft.model", later)
     if target is None:
         return  # nothing to check the draft and the prompts against yet
-    tokenizer = _tokenizer(recipe.target, "target.model")
+    tokenizer = models.load_tokenizer(recipe.target.model, recipe.target, key="target.model")
     if draft is not None:
-        check_pair_vocab(recipe.target, recipe.draft, tokenizer, _tokenizer(recipe.draft, "draft.model"))
+        draft_tokenizer = models.load_tokenizer(recipe.draft.model, recipe.draft, key="draft.model")
+        check_pair_vocab(recipe.target, recipe.draft, tokenizer, draft_tokenizer)
     check_chat_prompts(recipe.data, tokenizer, recipe.target.model)
 
 
@@ -52,13 +53,6 @@ def _known_model(cfg: ModelConfig, key: str, later: bool) -> str | None:
     if not cfg.model and later:
         return None
     return models.resolve_model_path(cfg.model, key, cfg.revision)
-
-
-def _tokenizer(cfg: ModelConfig, key: str) -> Any:
-    """The model's tokenizer, named in messages by the recipe value (a GGUF file's would be named by its folder)."""
-    tokenizer = models.load_tokenizer(cfg.model, cfg, key=key)
-    tokenizer.name_or_path = cfg.model
-    return tokenizer
 
 
 def _config_kwargs(cfg: ModelConfig) -> dict[str, Any]:

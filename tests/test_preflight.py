@@ -226,7 +226,10 @@ def test_valid_setups_pass(inputs, tmp_path, tiny_gguf):
 
 
 def test_distill_message_names_a_gguf_target_by_its_file(inputs, tmp_path, tiny_gguf):
+    from decode import sources
+
     gguf_path = str(tiny_gguf[0])
+    assert sources.load_tokenizer(gguf_path).name_or_path == gguf_path  # the bench's messages too
     with pytest.raises(ValueError, match="vocabulary mismatch") as e:
         check_inputs(recipe(inputs, tmp_path, target={"model": gguf_path}))
     assert gguf_path in str(e.value) and "\n" not in str(e.value)
