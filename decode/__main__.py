@@ -121,9 +121,10 @@ def check_inputs(args: argparse.Namespace) -> tuple:
 
     target_tok = sources.load_tokenizer(args.target, key="--target")
     draft_tok = sources.load_tokenizer(args.draft, key="--draft")
-    target_shape = sources.ConfigOnly(sources.load_config(args.target, key="--target"), args.target)
-    draft_shape = sources.ConfigOnly(sources.load_config(args.draft, key="--draft"), args.draft)
-    check_vocab_compatible(target_shape, draft_shape, target_tok, draft_tok)
+    target_shape = sources.config_only(args.target, key="--target")
+    draft_shape = sources.config_only(args.draft, key="--draft")
+    if target_shape and draft_shape:
+        check_vocab_compatible(target_shape, draft_shape, target_tok, draft_tok)
     return target_tok, draft_tok, load_prompts(args.prompts, tokenizer=target_tok)
 
 

@@ -180,6 +180,14 @@ class ConfigOnly:
         self.name_or_path = name
 
 
+def config_only(name: str, *, key: str = "model", **kwargs: Any) -> ConfigOnly | None:
+    """The model `name` by its config (:func:`load_config`), or None when the config does not give the output
+    width (`vocab_size`): then only the loaded model can tell."""
+    config = load_config(name, key=key, **kwargs)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return ConfigOnly(config, name) if isinstance(getattr(text, "vocab_size", None), int) else None
+
+
 def load_model(name: str, *, key: str = "model", **kwargs: Any) -> Any:
     """`AutoModelForCausalLM.from_pretrained(name, **kwargs)`, also for a `.gguf` file (dequantized).
 

@@ -62,18 +62,19 @@ def _config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     return kwargs
 
 
-def check_pair_vocab(target: ModelConfig, draft: ModelConfig, target_tokenizer: Any, draft_tokenizer: Any) -> int:
-    """The vocabulary size target and draft share, from their configs and tokenizers (a LoRA draft: its base's).
+def check_pair_vocab(
+    target: ModelConfig, draft: ModelConfig, target_tokenizer: Any, draft_tokenizer: Any
+) -> int | None:
+    """The vocabulary size target and draft share, from their configs and tokenizers (a LoRA draft: its base's);
+    None when a config does not say its output width (the loaded models are checked again anyway).
 
     Raises:
         ValueError: the tokenizers differ, or a model's output is narrower than the target's tokenizer.
     """
-    target_shape = sources.ConfigOnly(
-        sources.load_config(target.model, key="target.model", **_config_kwargs(target)), target.model
-    )
-    draft_shape = sources.ConfigOnly(
-        sources.load_config(draft.model, key="draft.model", **_config_kwargs(draft)), draft.model
-    )
+    target_shape = sources.config_only(target.model, key="target.model", **_config_kwargs(target))
+    draft_shape = sources.config_only(draft.model, key="draft.model", **_config_kwargs(draft))
+    if target_shape is None or draft_shape is None:
+        return None
     try:
         return check_vocab_compatible(target_shape, draft_shape, target_tokenizer, draft_tokenizer)
     except ValueError as err:
