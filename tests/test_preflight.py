@@ -254,7 +254,8 @@ def test_bench_refuses_before_loading_weights(inputs, tmp_path, capsys, case):
     target, draft, prompts, needles = BENCH_BAD[case]
     out = tmp_path / "r.json"
     argv = ["bench", "--target", inputs[target], "--draft", inputs[draft], "--prompts", inputs[prompts],
-            "--json", str(out), "--samples-out", str(tmp_path / "s.jsonl"), "--no-progress"]  # fmt: skip
+            "--json", str(out), "--samples-out", str(tmp_path / "s.jsonl"), "--plot", str(tmp_path / "p.png"),
+            "--no-progress"]  # fmt: skip
     assert main(argv) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
