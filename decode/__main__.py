@@ -26,7 +26,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported lazily at run time: --help stays fast
     import torch
@@ -108,7 +108,7 @@ def _load(path: str, dtype, device, key: str):
     return sources.load_model(path, key=key, dtype=dtype).to(device).eval()  # a .gguf file is dequantized
 
 
-def check_inputs(args: argparse.Namespace) -> tuple:
+def check_inputs(args: argparse.Namespace) -> tuple[Any, Any, list[dict]]:
     """The two tokenizers and the prompts, checked before any weights load: both models loadable (a GGUF file's
     architecture too), their vocabularies compatible by their configs, chat prompts only with a chat template.
 

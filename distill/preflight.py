@@ -93,19 +93,21 @@ def check_chat_prompts(cfg: DataConfig, tokenizer: Any, target_name: str) -> Non
     fix = "use an instruction-tuned target, prompt rows with a 'prompt' string, or data.apply_chat_template=false"
     if prompt_gen.is_generated(cfg.train_prompts):
         prompt_gen.parse_spec(cfg.train_prompts)  # an unknown generator is its own error
+        if _wants_magpie(cfg):
+            fix = "use an instruction-tuned target, or generate:stdlib with data.apply_chat_template=false"
         raise ValueError(
             f"data.train_prompts {cfg.train_prompts!r} writes chat prompts, and target.model {target_name!r} has "
             f"no chat template: {fix}"
         )
-    for key in ("data.train_prompts", "data.eval_prompts"):
-        path = Path(getattr(cfg, key.split(".")[1])).expanduser()
-        if path.suffix != ".jsonl" or not path.is_file():
+    for key, source in (("data.train_prompts", cfg.train_prompts), ("data.eval_prompts", cfg.eval_prompts)):
+        path = Path(source).expanduser()
+        if not source or path.suffix != ".jsonl" or not path.is_file():
             continue
         rows = read_jsonl(path, cfg.prompt_field)
-        line = next((n for n, row in enumerate(rows, 1) if row.get("messages")), None)
-        if line is not None:
+        first = next((n for n, row in enumerate(rows, 1) if row.get("messages")), None)
+        if first is not None:
             raise ValueError(
-                f"{key} {str(path)!r} holds chat ('messages') rows (row {line}), and target.model {target_name!r} "
+                f"{key} {source!r} holds chat ('messages') rows (row {first}), and target.model {target_name!r} "
                 f"has no chat template: {fix}"
             )
 

@@ -130,7 +130,7 @@ BAD = {
     ),
     "generate:magpie, no chat template": (
         {"data": {"train_prompts": "generate:magpie", "eval_prompts": ""}},
-        ["generate:magpie", "no chat template", "instruction-tuned target"],
+        ["generate:magpie", "no chat template", "instruction-tuned target", "generate:stdlib"],
     ),
     "empty target.model": ({"target": {"model": ""}}, ["target.model is empty", "hub id"]),
     "unknown GGUF architecture as target": (
