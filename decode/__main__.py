@@ -16,8 +16,9 @@ Example (the stdlib reference pair built by recipes/pretrain/stdlib-*.yaml, gree
 acceptance counters and vLLM-with-draft vs vLLM target-only tokens/s (``decode.vllm_engine``; needs
 ``pip install "draftsmith[vllm]"``).
 
-Errors in the inputs (missing or empty prompt file, vocabulary mismatch, prompt past the context) print one
-``error: ...`` line and exit with status 2.
+Errors in the inputs (missing or empty prompt file, vocabulary mismatch, chat prompts for a tokenizer without a chat
+template, a GGUF file of an architecture transformers cannot load, prompt past the context) print one
+``error: ...`` line and exit with status 2, writing nothing; all but the last are found before any weights load.
 """
 
 from __future__ import annotations
