@@ -16,8 +16,9 @@ Example (the stdlib reference pair built by recipes/pretrain/stdlib-*.yaml, gree
 acceptance counters and vLLM-with-draft vs vLLM target-only tokens/s (``decode.vllm_engine``; needs
 ``pip install "draftsmith[vllm]"``).
 
-Errors in the inputs (missing or empty prompt file, vocabulary mismatch, prompt past the context) print one
-``error: ...`` line and exit with status 2.
+Errors in the inputs (missing or empty prompt file, vocabulary mismatch, chat prompts for a tokenizer without a chat
+template, a GGUF file of an architecture transformers cannot load, prompt past the context) print one
+``error: ...`` line and exit with status 2, writing nothing; all but the last are found before any weights load.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported lazily at run time: --help stays fast
     import torch
@@ -105,9 +106,27 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def _load(path: str, dtype, device, key: str):
     from decode import sources
 
-    model = sources.load_model(path, key=key, dtype=dtype).to(device).eval()  # a .gguf file is dequantized
-    tokenizer = sources.load_tokenizer(path, key=key)
-    return model, tokenizer
+    return sources.load_model(path, key=key, dtype=dtype).to(device).eval()  # a .gguf file is dequantized
+
+
+def check_inputs(args: argparse.Namespace) -> tuple[Any, Any, list[dict]]:
+    """The two tokenizers and the prompts, checked before any weights load: both models loadable (a GGUF file's
+    architecture too), their vocabularies compatible by their configs, chat prompts only with a chat template.
+
+    Returns:
+        (target tokenizer, draft tokenizer, prompt rows).
+    """
+    from decode import sources
+    from decode.compat import check_vocab_compatible
+    from decode.prompts import load_prompts
+
+    target_tok = sources.load_tokenizer(args.target, key="--target")
+    draft_tok = sources.load_tokenizer(args.draft, key="--draft")
+    target_shape = sources.config_only(args.target, key="--target")
+    draft_shape = sources.config_only(args.draft, key="--draft")
+    if target_shape and draft_shape:
+        check_vocab_compatible(target_shape, draft_shape, target_tok, draft_tok)
+    return target_tok, draft_tok, load_prompts(args.prompts, tokenizer=target_tok)
 
 
 def plot(result: dict, out: str | Path) -> None:
@@ -151,19 +170,18 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
 
     from decode.bench import run_bench
     from decode.compat import check_vocab_compatible
-    from decode.prompts import load_prompts
 
+    target_tok, draft_tok, prompts = check_inputs(args)
     device = (
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if args.device == "auto"
         else torch.device(args.device)
     )
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(device)
-    target, target_tok = _load(args.target, dtype, device, "--target")
+    target = _load(args.target, dtype, device, "--target")
     draft_dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else dtype
-    draft, draft_tok = _load(args.draft, draft_dtype, device, "--draft")
-    check_vocab_compatible(target, draft, target_tok, draft_tok)
-    prompts = load_prompts(args.prompts, tokenizer=target_tok)
+    draft = _load(args.draft, draft_dtype, device, "--draft")
+    check_vocab_compatible(target, draft, target_tok, draft_tok)  # the loaded output widths (padded embeddings)
     if args.limit is not None:
         prompts = prompts[: args.limit]
     result = run_bench(

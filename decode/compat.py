@@ -37,8 +37,6 @@ def check_vocab_compatible(target: nn.Module, draft: nn.Module, target_tokenizer
     """
     target_width, draft_width = logits_width(target), logits_width(draft)
     shared = min(target_width, draft_width)
-    if target_tokenizer is not None and len(target_tokenizer) > shared:
-        raise ValueError(_too_narrow(target, draft, target_tokenizer))
     if target_tokenizer is not None and draft_tokenizer is not None and target_tokenizer is not draft_tokenizer:
         n = min(len(target_tokenizer), len(draft_tokenizer), shared)
         t_tokens = target_tokenizer.convert_ids_to_tokens(list(range(n)))
@@ -50,6 +48,9 @@ def check_vocab_compatible(target: nn.Module, draft: nn.Module, target_tokenizer
                 f"{model_name(draft_tokenizer)!r} differ first at id {i}: {t_tokens[i]!r} vs {d_tokens[i]!r}; "
                 "use a draft trained with the target's tokenizer"
             )
+    # After the tokens: a draft of another tokenizer is often narrower too, and resizing it would not help.
+    if target_tokenizer is not None and len(target_tokenizer) > shared:
+        raise ValueError(_too_narrow(target, draft, target_tokenizer))
     return shared
 
 

@@ -151,10 +151,11 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from distill import data, distributed, draft_init, losses, models, prompt_gen, rollouts, schedule
+    from distill import data, distributed, draft_init, losses, models, preflight, prompt_gen, rollouts, schedule
 
     # ---- setup
     distributed.check_launch(recipe)  # DeepSpeed without CUDA, FSDP with on-policy rollouts...: refuse up front
+    preflight.check_inputs(recipe)  # configs, tokenizers, GGUF headers, prompt files: refuse before writing anything
     state = RunState(Path(recipe.output_dir).resolve(), recipe)
     out, ckpt_root = state.out, state.ckpt_root
     is_main = int(os.environ.get("RANK", "0")) == 0

@@ -1,0 +1,297 @@
+"""Bad pairs and prompt sets are refused before anything is written or any weights are read.
+
+`train/distill.py` and `python -m decode bench` given a draft with another vocabulary, chat prompts for a target
+without a chat template, or a GGUF file of an architecture transformers cannot load: exit status 2, one `error:`
+line naming the models (or the architecture and what is supported) and the fix, no output_dir (an existing one
+left as it was), no bench JSON. The model directories here hold a config and a tokenizer but no weights: the
+checks must get by on those alone. Valid setups (quickstart, draft.init=truncate, LoRA draft, 4-bit target,
+padded embeddings, a GGUF target) pass.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from distill.config import load_recipe
+from distill.preflight import check_inputs
+from tests.tiny import CHAR_VOCAB, bpe_tokenizer, char_tokenizer, swap_ids, tiny_config
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is needed to write test GGUF files (pip install gguf)")
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+CHAT_ROW = {"messages": [{"role": "user", "content": "Write a function that adds two numbers."}]}
+
+
+def weightless(directory: Path, tokenizer, **config) -> str:
+    """A model directory with config.json and a tokenizer but no weights file."""
+    tiny_config("llama", **config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def made_up_gguf(path: Path, arch: str = "madeup") -> str:
+    """A GGUF file of architecture `arch` (by default one no library knows) with one tensor."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("preflight")
+    return {
+        "target": weightless(root / "target", char_tokenizer()),
+        "draft": weightless(root / "draft", char_tokenizer()),
+        "chat_target": weightless(root / "chat_target", char_tokenizer(chat_template=TEMPLATE)),
+        "chat_draft": weightless(root / "chat_draft", char_tokenizer(chat_template=TEMPLATE)),
+        "swapped": weightless(root / "swapped", swap_ids(char_tokenizer(), 5, 6)),  # same size, other tokens
+        "narrow": weightless(root / "narrow", char_tokenizer(), vocab_size=CHAR_VOCAB - 10),
+        "padded": weightless(root / "padded", char_tokenizer(), vocab_size=CHAR_VOCAB + 32),
+        "bpe": weightless(root / "bpe", bpe := bpe_tokenizer(), vocab_size=len(bpe)),  # wider than the char ones
+        "odd": made_up_gguf(root / "odd.gguf"),
+        "raw": jsonl(root / "raw.jsonl", [{"prompt": "def f(x):"}, {"prompt": "import os"}]),
+        "chat": jsonl(root / "chat.jsonl", [{"prompt": "def f(x):"}, CHAT_ROW]),
+    }
+
+
+def recipe_dict(inputs: dict, out: Path, **sections) -> dict:
+    recipe = {
+        "target": {"model": inputs["target"], "dtype": "float32"},
+        "draft": {"model": inputs["draft"], "dtype": "float32"},
+        "data": {"train_prompts": inputs["raw"], "eval_prompts": inputs["raw"]},
+        "train": {"max_steps": 2, "batch_size": 2},
+        "log": {"report_to": "wandb"},
+        "output_dir": str(out),
+    }
+    for section, values in sections.items():
+        recipe[section] = {**recipe[section], **values} if isinstance(values, dict) else values
+    return recipe
+
+
+def recipe(inputs: dict, tmp_path: Path, **sections):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(inputs, tmp_path / "run", **sections)))
+    return load_recipe(path)
+
+
+def distill_cli(argv: list[str], capsys) -> str:
+    """train/distill.py's main() in this process; the one `error:` line it printed (exit status 2 asserted)."""
+    spec = importlib.util.spec_from_file_location("distill_cli", REPO / "train" / "distill.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err[-2000:]
+    lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err[-2000:]
+    return lines[0]
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# Each bad setup: recipe sections, then what the error line must say.
+BAD = {
+    "draft tokenizer differs": (
+        {"draft": {"model": "swapped"}},
+        ["target.model", "draft.model", "swapped", "vocabulary mismatch", "use a draft trained with the target's"],
+    ),
+    "draft narrower than the tokenizer": (
+        {"draft": {"model": "narrow"}},
+        ["target.model", "draft.model", "narrow", f"only {CHAR_VOCAB - 10} logits", "resize_token_embeddings"],
+    ),
+    "draft of another, narrower tokenizer": (
+        {"target": {"model": "bpe"}},  # resizing the draft's embeddings would not help: the tokens differ
+        ["target.model", "draft.model", "bpe", "differ first at id", "use a draft trained with the target's"],
+    ),
+    "chat rows, no chat template": (
+        {"data": {"train_prompts": "chat"}},
+        ["data.train_prompts", "chat.jsonl", "'messages'", "target.model", "no chat template", "'prompt' string"],
+    ),
+    "generate:magpie, no chat template": (
+        {"data": {"train_prompts": "generate:magpie", "eval_prompts": ""}},
+        ["generate:magpie", "no chat template", "instruction-tuned target", "generate:stdlib"],
+    ),
+    "empty target.model": ({"target": {"model": ""}}, ["target.model is empty", "hub id"]),
+    "unknown GGUF architecture as target": (
+        {"target": {"model": "odd"}},
+        ["target.model", "odd.gguf", "'madeup'", "supported: ", "llama"],
+    ),
+    "unknown GGUF architecture as draft": (
+        {"draft": {"model": "odd"}},
+        ["draft.model", "odd.gguf", "'madeup'", "supported: ", "llama"],
+    ),
+    "unknown GGUF architecture as the target of draft.init=truncate": (
+        {"target": {"model": "odd"}, "draft": {"model": "", "init": "truncate"}},
+        ["target.model", "odd.gguf", "'madeup'", "supported: "],
+    ),
+}
+
+
+def _resolve(inputs: dict, sections: dict) -> dict:
+    """Section values that name an input (a fixture key) replaced by its path."""
+    return {s: {k: inputs.get(v, v) if isinstance(v, str) else v for k, v in d.items()} for s, d in sections.items()}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_distill_refuses_before_writing_anything(inputs, tmp_path, capsys, case):
+    sections, needles = BAD[case]
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(inputs, tmp_path / "run", **_resolve(inputs, sections))))
+    line = distill_cli(["--recipe", str(path)], capsys)
+    assert all(n in line for n in needles), line
+    assert not (tmp_path / "run").exists()
+
+
+def test_distill_leaves_an_existing_output_dir_as_it_was(inputs, tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "notes").mkdir(parents=True)
+    (out / "notes" / "keep.txt").write_text("mine")
+    before = tree(out)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(inputs, out, draft={"model": inputs["swapped"]})))
+    assert "vocabulary mismatch" in distill_cli(["--recipe", str(path), "--overwrite"], capsys)
+    assert tree(out) == before and sorted(p.name for p in out.iterdir()) == ["notes"]
+
+
+def test_missing_gguf_package_stays_one_line_and_writes_nothing(inputs, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # what `import gguf` sees where the package is absent
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(inputs, tmp_path / "run", draft={"model": inputs["odd"]})))
+    line = distill_cli(["--recipe", str(path)], capsys)
+    assert line.endswith("needs the gguf package: pip install gguf") and "draft.model" in line
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- valid setups are not refused
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from tests.test_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf"))
+
+
+def test_valid_setups_pass(inputs, tmp_path, tiny_gguf):
+    gguf_path, _, gguf_tok = tiny_gguf
+    gguf_draft = weightless(tmp_path / "gguf_draft", gguf_tok, vocab_size=len(gguf_tok))
+    quickstart = {"target": {"model": ""}, "draft": {"model": ""}, "data": {"train_prompts": "", "eval_prompts": ""}}
+    setups = {
+        "same tokenizer": {},
+        "chat rows with a chat template": {
+            "target": {"model": inputs["chat_target"]}, "draft": {"model": inputs["chat_draft"]},
+            "data": {"train_prompts": inputs["chat"]},
+        },
+        "chat rows joined as text (apply_chat_template=false)": {
+            "data": {"train_prompts": inputs["chat"], "apply_chat_template": False}
+        },
+        "generate:stdlib joined as text": {
+            "data": {"train_prompts": "generate:stdlib", "eval_prompts": "", "apply_chat_template": False}
+        },
+        "padded target embedding": {"target": {"model": inputs["padded"]}},
+        "quickstart: models and prompts built later": {"build_pair": "quickstart", **quickstart},
+        "draft.init=truncate": {"draft": {"model": "", "init": "truncate"}},
+        "LoRA draft, 4-bit target": {
+            "target": {"quantization": {"load_in_4bit": True}}, "draft": {"lora": {"enabled": True}},
+        },
+        "GGUF target": {"target": {"model": str(gguf_path)}, "draft": {"model": gguf_draft}},
+    }  # fmt: skip
+    for name, sections in setups.items():
+        try:
+            check_inputs(recipe(inputs, tmp_path, **sections))
+        except ValueError as err:
+            pytest.fail(f"{name}: refused: {err}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_distill_message_names_a_gguf_target_by_its_file(inputs, tmp_path, tiny_gguf):
+    from decode import sources
+
+    gguf_path = str(tiny_gguf[0])
+    assert sources.load_tokenizer(gguf_path).name_or_path == gguf_path  # the bench's messages too
+    with pytest.raises(ValueError, match="vocabulary mismatch") as e:
+        check_inputs(recipe(inputs, tmp_path, target={"model": gguf_path}))
+    assert gguf_path in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- python -m decode bench
+
+
+BENCH_BAD = {
+    "draft tokenizer differs": ("target", "swapped", "raw", ["error: vocabulary mismatch", "differ first at id 5"]),
+    "draft of another, narrower tokenizer": ("bpe", "draft", "raw", ["error: vocabulary mismatch", "differ first"]),
+    "chat rows, no chat template": ("target", "draft", "chat", ["error: chat prompts need a chat template"]),
+    "unknown GGUF architecture as target": ("odd", "draft", "raw", ["error: --target", "'madeup'", "supported: "]),
+    "unknown GGUF architecture as draft": ("target", "odd", "raw", ["error: --draft", "'madeup'", "supported: "]),
+}
+
+
+@pytest.mark.parametrize("case", list(BENCH_BAD))
+def test_bench_refuses_before_loading_weights(inputs, tmp_path, capsys, case):
+    from decode.__main__ import main
+
+    target, draft, prompts, needles = BENCH_BAD[case]
+    out = tmp_path / "r.json"
+    argv = ["bench", "--target", inputs[target], "--draft", inputs[draft], "--prompts", inputs[prompts],
+            "--json", str(out), "--samples-out", str(tmp_path / "s.jsonl"), "--plot", str(tmp_path / "p.png"),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len([line for line in lines if line.startswith("error:")]) == 1, lines
+    assert all(n in lines[-1] for n in needles), lines[-1]
+    assert not captured.out and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- the GGUF header read
+
+
+def test_gguf_architecture_reads_the_header_as_gguf_does(inputs, tiny_gguf, tmp_path):
+    from gguf import GGUFReader
+
+    from decode import sources
+
+    for path in (str(tiny_gguf[0]), inputs["odd"]):
+        field = GGUFReader(path).fields["general.architecture"]
+        assert sources.gguf_architecture(path) == bytes(field.parts[field.data[0]]).decode()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(Path(tiny_gguf[0]).read_bytes()[:30])
+    with pytest.raises(ValueError, match=r"cut.gguf' is not a readable GGUF file \(the GGUF header ends early"):
+        sources.check_gguf(cut, key="target.model")
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "gpt-oss", "minimax-m2"])
+def test_llama_cpp_spellings_transformers_renames_are_accepted(tmp_path, arch):
+    from decode import sources
+
+    path = made_up_gguf(tmp_path / f"{arch}.gguf", arch)
+    assert sources.check_gguf(path, key="target.model") == Path(path)
+
+
+def test_mapping_sections_are_not_offered_as_architectures(tmp_path):
+    from decode import sources
+
+    with pytest.raises(ValueError, match="architecture 'general' cannot be loaded") as e:
+        sources.check_gguf(made_up_gguf(tmp_path / "g.gguf", "general"), key="--draft")
+    assert "tokenizer" not in str(e.value) and "llama" in str(e.value) and "qwen3moe" in str(e.value)
