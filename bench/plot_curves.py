@@ -31,7 +31,7 @@ def read_curve(run_dir: Path) -> list[dict]:
 
 
 def parse_run(arg: str) -> tuple[str, Path]:
-    name, sep, path = arg.partition("=")
+    name, sep, path = arg.rpartition("=")  # the last "=": labels such as "T=0.8" may hold one
     return (name, Path(path)) if sep else (Path(arg).name, Path(arg))
 
 

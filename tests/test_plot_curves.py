@@ -36,6 +36,7 @@ def test_curves_are_read_in_step_order_and_plotted(tmp_path):
         {"minutes": 9.5, "acceptance": 0.5, "speedup": 1.3},
     ]
     assert pc.parse_run(f"new={run}") == ("new", run)
+    assert pc.parse_run(f"T=0.8={run}") == ("T=0.8", run)
     assert pc.parse_run(str(run)) == ("greedy", run)
     out = tmp_path / "curves.png"
     pc.main([str(run), f"other={run}", "--out", str(out)])
