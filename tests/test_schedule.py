@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from distill import rollouts
 from distill.config import DistillConfig, RecipeError, TrainConfig, load_recipe
 from distill.schedule import TrainClock, budget_progress, build_budget_scheduler, lr_multiplier
 from distill.training import lr_factor
+from tests.procs import run_distill
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_RECIPES = sorted((REPO / "recipes").glob("stdlib-*.yaml"))
@@ -213,18 +210,7 @@ def test_time_budgeted_run_switches_source_and_ends_its_lr_decay(pair, tmp_path)
         "log": {"report_to": "none", "every": 1},
         "output_dir": str(out),
     }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train" / "distill.py"), "--recipe", str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=REPO,
-    )
+    proc = run_distill(recipe, tmp_path, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "train.max_minutes=0.1 reached" in proc.stdout + proc.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

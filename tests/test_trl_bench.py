@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from distill import losses
 from distill.checkpoints import CheckpointInfo, load_infos
 from distill.config import RecipeError, load_recipe
+from tests.procs import run_distill
 from tests.tiny import make_pair, make_prompts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -208,18 +208,7 @@ def test_a_run_evaluates_at_minute_marks_and_records_train_minutes(tmp_path):
         "output_dir": str(out),
     }
     recipe["eval"].update(hf_assisted=False, num_draft_tokens=2, keep_top_k=10)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train" / "distill.py"), "--recipe", str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=REPO,
-    )
+    proc = run_distill(recipe, tmp_path, WANDB_MODE="disabled")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     rows = report["checkpoints"]
