@@ -58,11 +58,13 @@ def test_trl_lmbda_is_the_on_policy_share_of_each_source():
 def test_shared_settings_come_from_the_default_recipe():
     s = bench.shared_from_recipe(load_recipe(REPO / bench.DEFAULT_RECIPE))
     assert (s.loss, s.beta, s.source, s.lmbda) == ("fkl", 0.0, "schedule", pytest.approx(0.7))
-    assert (s.lr, s.warmup_steps, s.batch_size, s.max_new_tokens, s.gen_temperature) == (1e-3, 20, 16, 64, 1.0)
+    # the greedy recipe samples its continuations greedily (gen_temperature 0)
+    assert (s.lr, s.warmup_steps, s.batch_size, s.max_new_tokens, s.gen_temperature) == (1e-3, 20, 16, 64, 0.0)
     kwargs = bench.trl_config_kwargs(s, Path("out"))
     assert (kwargs["beta"], kwargs["lmbda"], kwargs["seq_kd"], kwargs["learning_rate"]) == (0.0, 0.7, True, 1e-3)
-    greedy = bench.shared_from_recipe(load_recipe(REPO / bench.DEFAULT_RECIPE, ["distill.gen_temperature=0"]))
-    assert bench.trl_config_kwargs(greedy, Path("out"))["temperature"] > 0  # greedy is do_sample=False instead
+    assert kwargs["temperature"] > 0  # greedy is do_sample=False instead
+    sampled = bench.shared_from_recipe(load_recipe(REPO / bench.DEFAULT_RECIPE, ["distill.gen_temperature=0.8"]))
+    assert bench.trl_config_kwargs(sampled, Path("out"))["temperature"] == pytest.approx(0.8)
     with pytest.raises(ValueError, match="distill.temperature=1.0"):
         bench.shared_from_recipe(load_recipe(REPO / bench.DEFAULT_RECIPE, ["distill.temperature=2.0"]))
 
