@@ -101,6 +101,17 @@ def test_minute_marks_are_equally_spaced_up_to_the_budget():
     assert bench.mark_of(marks, 0.05) is None and bench.mark_of(marks, 0.25) == 0.2 and bench.mark_of(marks, 1) == 0.3
 
 
+def test_stop_after_keeps_the_early_marks_of_the_full_budget(capsys):
+    assert bench.minute_marks(20, 40, 2) == [0.5, 1, 1.5, 2]
+    assert bench.minute_marks(20, 5, 10) == [4, 8]  # a mark past --stop-after is dropped, not moved
+    assert bench.minute_marks(20, 5, 20) == bench.minute_marks(20, 5)
+    args = argparse.Namespace(minutes=20.0, eval_prompts=2, threads=1, marks=5, stop_after=3.0, parallel=False)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.check_args(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "before the first mark (4 min)" in err[0]
+
+
 def test_first_pass_is_the_earliest_snapshot_above_the_base():
     rows = [
         {"name": "c", "train_minutes": 12.0, "acceptance_rate": 0.50},
@@ -124,7 +135,7 @@ def test_side_summary_and_its_line_say_not_within_budget():
     }
     assert summaries["trl"]["final"]["name"] == "trl@step-3" and summaries["trl"]["first_pass_base"] is None
     trl_line, ds_line = bench.summary_lines(base, summaries)
-    assert "not within budget" in trl_line and "no snapshot" in ds_line
+    assert "not by the last mark" in trl_line and "no snapshot" in ds_line
 
 
 def test_cpu_sets_are_disjoint_and_refuse_too_few_cpus():
@@ -289,3 +300,27 @@ def test_bad_inputs_are_one_error_line(capsys, tmp_path, tiny_overrides, extra, 
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and names in err[0], err
     assert not (tmp_path / "out").exists()  # nothing written before the inputs are checked
+
+
+@pytest.mark.slow
+def test_stop_after_ends_the_draftsmith_side_after_the_last_kept_mark(tmp_path):
+    """A draftsmith run of a long budget, ended by --stop-after's hook: the crossing step's checkpoint is
+    saved, the step after it is neither saved nor counted, and the stats are written."""
+    target, draft = make_pair(tmp_path / "pair")
+    train, dev = make_prompts(tmp_path / "train.jsonl", 8, seed=1), make_prompts(tmp_path / "dev.jsonl", 1, seed=2)
+    out = tmp_path / "ds"
+    s = bench.Shared(max_new_tokens=6, batch_size=2, max_prompt_tokens=16, eval_new_tokens=6, eval_gamma=2)
+    argv = ["--recipe", str(REPO / bench.DEFAULT_RECIPE), "--overwrite"]
+    argv += [f"target.model={target}", f"draft.model={draft}", f"data.train_prompts={train}"]
+    argv += [f"data.eval_prompts={dev}", "target.dtype=float32", "distill.max_new_tokens=6", "train.batch_size=2"]
+    # 60 budget minutes, a mark every 1e-6 minutes (every step crosses one); stop once 1e-9 s have passed
+    argv += bench.draftsmith_overrides(s, 60.0, 60_000_000, out)
+    spec = {"argv": argv, "output_dir": str(out), "threads": 1, "stop_after_s": 1e-9}
+    cmd = [sys.executable, str(REPO / "bench" / "trl_gkd_vs_draftsmith.py"), "--worker", "draftsmith"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*cmd, "--spec", json.dumps(spec)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-0", "step-1"]
+    stats = json.loads((out / bench.STATS_FILE).read_text())
+    assert stats["steps"] == 1 and stats["micro_batches"] == 1 and len(stats["snapshots"]) == 1
+    assert stats["snapshots"][0]["tokens"] == stats["tokens"] > 0
