@@ -152,7 +152,11 @@ class DistillConfig:
     completion_field: str = _f("completion", "source=fixed: the dataset field holding the completion")
     max_new_tokens: int = _f(64, "length of generated continuations")
     gen_temperature: float = _f(1.0, "sampling temperature for generated continuations")
-    num_draft_tokens: int | str = _f(4, "gamma of the speculative decoder that generates target rollouts, or 'auto'")
+    num_draft_tokens: int | str = _f(
+        4,
+        "gamma of the speculative decoder that generates target rollouts, or 'auto'; 0: the target alone (plain "
+        "decoding, faster while the draft accepts too little to pay for its forwards, e.g. draft.init=truncate)",
+    )
     cache_rollouts: bool = _f(True, "source=target: cache target continuations on disk and reuse them")
     cache_dir: str = _f("", "target continuation cache (empty: <output_dir>/rollout_cache); runs may share one")
 
@@ -164,9 +168,9 @@ class DistillConfig:
         _check(self.max_new_tokens > 0, "distill.max_new_tokens", "must be > 0")
         _check(self.top_k >= 0, "distill.top_k", "must be >= 0")
         _check(
-            self.num_draft_tokens == "auto" or (isinstance(self.num_draft_tokens, int) and self.num_draft_tokens > 0),
+            self.num_draft_tokens == "auto" or (isinstance(self.num_draft_tokens, int) and self.num_draft_tokens >= 0),
             "distill.num_draft_tokens",
-            f"must be a positive int or 'auto', got {self.num_draft_tokens!r}",
+            f"must be an int >= 0 (0: the target alone) or 'auto', got {self.num_draft_tokens!r}",
         )
 
 

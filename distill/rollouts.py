@@ -90,7 +90,8 @@ def generate_target_rollouts(
     vocab: int | None = None,
 ) -> list[list[int]]:
     """Target-distributed continuations of `examples`, one batch: speculative decoding with `draft` (lossless),
-    or the target alone when `draft` is None.
+    or the target alone when `draft` is None or `num_draft_tokens` is 0 (a starting draft too weak to pay for
+    its own forwards, such as an untrained truncated one).
 
     Returns:
         per example, the new token ids (EOS included when generated, nothing after it).
@@ -101,6 +102,8 @@ def generate_target_rollouts(
     generator = _generator_on(generator, _device(target))
     # vocab: the width shared with the draft, so no id the draft cannot embed is ever sampled (padded targets)
     sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0, "eos_token_id": eos_token_id, "vocab": vocab}
+    if num_draft_tokens == 0:
+        draft = None
     models = (target,) if draft is None else (target, draft)
     with generation_mode(*models):
         if draft is None:
@@ -398,7 +401,7 @@ class RolloutSource:
         seed: part of the cache key and of pregeneration's generator.
         process_index: this process's rank, for its own cache file (None: `RANK` from the environment, as set by
             `accelerate launch`, else 0).
-        num_draft_tokens: gamma for the speculative generation of target rollouts.
+        num_draft_tokens: gamma for the speculative generation of target rollouts (0: the target alone).
         vocab: the logits width target and draft share (``check_compatible``); rollouts sample only below it, so
             a target with padded embedding rows never emits an id the draft cannot embed. None: each model's own.
     """

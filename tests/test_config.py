@@ -71,6 +71,7 @@ def test_unknown_section(tmp_path):
         ("distill.loss=jds", "did you mean 'jsd'"),
         ("distill.beta=1.5", r"distill.beta: must be in \[0, 1\]"),
         ("eval.num_draft_tokens=0", "positive int or 'auto'"),
+        ("distill.num_draft_tokens=-1", r"int >= 0 \(0: the target alone\) or 'auto'"),
         ("train.batch_size=0", "train.batch_size: must be > 0"),
         ("target.quantization.load_in_4bit=maybe", "expected true or false"),
         ("train.lr", "not key=value"),

@@ -155,6 +155,21 @@ def test_target_rollouts_are_the_targets_and_cached(models, tmp_path, monkeypatc
     assert len(part) == len(examples)
 
 
+def test_target_rollouts_with_gamma_0_use_the_target_alone(models, monkeypatch):
+    """distill.num_draft_tokens=0: the target's own continuations, without a single draft forward."""
+    tok, target, draft, examples = models
+
+    def no_draft(*a, **k):
+        raise AssertionError("the draft ran although num_draft_tokens=0")
+
+    monkeypatch.setattr(draft, "forward", no_draft)
+    pairs = make_rollouts(
+        examples, "target", target, draft, _cfg(), eos_token_id=0, pad_token_id=0, num_draft_tokens=0, vocab=len(tok)
+    )
+    for (_, completion), example in zip(pairs, examples):
+        assert completion == _greedy(target, example.prompt_ids, 8, len(tok))
+
+
 def test_cache_survives_a_torn_line(tmp_path):
     cache = RolloutCache(tmp_path, {"a": 1})
     cache.put([Example(0, [1, 2]), Example(1, [3])], [[4, 0], [5]])
