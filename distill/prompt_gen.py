@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from decode.prompts import jsonl_text, write_jsonl
 from distill import data
@@ -95,11 +96,12 @@ def clean_request(text: str, stops: list[str]) -> str | None:
 
 def magpie_prompts(
     target: torch.nn.Module, tokenizer: Any, n: int, *, max_new_tokens: int, temperature: float, seed: int,
-    batch_size: int = 16,
+    batch_size: int = 16, progress: bool = True,
 ) -> list[str]:  # fmt: skip
     """Up to `n` distinct user requests sampled from `target` after its chat template's user-turn prefix.
 
-    Sampling stops after 4n attempts even if fewer than `n` distinct requests came out.
+    Sampling stops after 4n attempts even if fewer than `n` distinct requests came out. `progress`: a tqdm bar
+    of the distinct requests found (sampling hundreds of them takes minutes on a CPU).
     """
     prefix = tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False, return_tensors="pt")["input_ids"]
     suffix = user_turn_suffix(tokenizer)
@@ -110,6 +112,7 @@ def magpie_prompts(
     generator_seed = torch.Generator().manual_seed(seed)
     found: dict[str, None] = {}
     attempts = 0
+    bar = tqdm(total=n, desc="magpie prompts", unit="prompt", disable=not progress)
     while len(found) < n and attempts < 4 * n:
         rows = min(batch_size, 4 * n - attempts)
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
@@ -121,9 +124,11 @@ def magpie_prompts(
             )  # fmt: skip
         for seq in out[:, prefix.shape[1] :]:
             request = clean_request(tokenizer.decode(seq, skip_special_tokens=False), stops)
-            if request is not None and len(found) < n:
-                found.setdefault(request)
+            if request is not None and len(found) < n and request not in found:
+                found[request] = None
+                bar.update(1)
         attempts += rows
+    bar.close()
     return list(found)
 
 
