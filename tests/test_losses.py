@@ -249,3 +249,17 @@ def test_fused_forward_kl_matches_the_unfused_loss(monkeypatch, chunk, dtype):
     torch.testing.assert_close(s1.grad, s2.grad, **tol)
     assert s1.grad[_mask() == 0].abs().max() == 0
     assert forward_kl(s1.detach(), s1.detach().float(), _mask()) == 0  # identical distributions: exactly 0
+
+
+def test_loss_speed_bench_runs_and_both_methods_agree():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "loss_speed.py"
+    cmd = [sys.executable, str(script), "--tokens", "12", "--vocab", "40", "--repeats", "1", "--dtype", "float32"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    values = [float(v) for v in re.findall(r"value (\d+\.\d+)", out.stdout)]
+    assert len(values) == 2 and values[0] == pytest.approx(values[1], rel=1e-5) and "x faster" in out.stdout
