@@ -155,8 +155,9 @@ def log_probs(
 # ---------------------------------------------------------------- forward KL, fused and chunked
 
 # Rows per chunk of the fused forward KL: about this many float32 elements, so that on a CPU a chunk's temporaries
-# stay in cache (512 KB; measured on a 49k vocabulary: 2.6x faster than unchunked, 2x faster than 4 MB chunks)
-# instead of streaming [tokens, vocab] tensors through memory a dozen times; on a GPU, large chunks (few kernels).
+# stay in cache (512 KB: on a 49k vocabulary the loss ran 1.5x faster than with 4 MB chunks, 2x faster than with
+# 16 MB ones) instead of streaming [tokens, vocab] tensors through memory a dozen times; on a GPU, large chunks
+# (few kernels).
 _CHUNK_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 24}
 _CHUNK_DEFAULT = 1 << 22
 
