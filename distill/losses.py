@@ -53,6 +53,19 @@ _LOGIT_FLOOR = -1e4
 _TAIL_FLOOR = 1e-30
 
 
+def _shared_width(student_logits: torch.Tensor, teacher_logits: torch.Tensor, vocab_size: int | None) -> int:
+    """The id range both logits are compared over: `vocab_size`, or the narrower of the two widths."""
+    shared = min(student_logits.shape[-1], teacher_logits.shape[-1])
+    if vocab_size is not None:
+        if not 0 < vocab_size <= shared:
+            raise ValueError(
+                f"vocab_size={vocab_size} must be in [1, {shared}] (student has {student_logits.shape[-1]} logits, "
+                f"teacher {teacher_logits.shape[-1]})"
+            )
+        shared = vocab_size
+    return shared
+
+
 def _kept_positions(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, vocab_size: int | None
 ) -> tuple[torch.Tensor, int]:
@@ -67,14 +80,7 @@ def _kept_positions(
             f"shape mismatch: student {tuple(student_logits.shape)}, teacher {tuple(teacher_logits.shape)}, "
             f"mask {tuple(mask.shape)}; expected [batch, seq, *] logits and a [batch, seq] mask"
         )
-    shared = min(student_logits.shape[-1], teacher_logits.shape[-1])
-    if vocab_size is not None:
-        if not 0 < vocab_size <= shared:
-            raise ValueError(
-                f"vocab_size={vocab_size} must be in [1, {shared}] (student has {student_logits.shape[-1]} logits, "
-                f"teacher {teacher_logits.shape[-1]})"
-            )
-        shared = vocab_size
+    shared = _shared_width(student_logits, teacher_logits, vocab_size)
     keep = mask.to(device=student_logits.device) != 0
     if not bool(keep.any()):
         raise ValueError(
@@ -284,7 +290,8 @@ def distill_loss(
     """
     if loss not in LOSSES:
         raise ValueError(f"loss {loss!r} is not one of {', '.join(LOSSES)}")
-    if loss == "fkl" and (top_k == 0 or top_k >= min(student_logits.shape[-1], teacher_logits.shape[-1])):
+    # top_k covering the shared vocabulary is the full loss (as in log_probs): the fused path computes it
+    if loss == "fkl" and (top_k == 0 or top_k >= _shared_width(student_logits, teacher_logits, vocab_size)):
         return fused_forward_kl(student_logits, teacher_logits, mask, temperature=temperature, vocab_size=vocab_size)
     log_ps, log_pt = log_probs(
         student_logits, teacher_logits, mask, temperature=temperature, top_k=top_k, vocab_size=vocab_size
