@@ -183,7 +183,11 @@ class TrainConfig:
     warmup_steps: int = _f(10, "linear warm-up steps before the cosine decay")
     lr_scheduler: Literal["cosine", "linear", "constant"] = _f("cosine", "schedule after warm-up")
     max_steps: int = _f(200, "optimizer steps")
-    max_minutes: float = _f(0.0, "wall-clock budget for training in minutes (0: none)")
+    max_minutes: float = _f(
+        0.0,
+        "training-clock budget in minutes (0: none): training steps and the generation of their data (source=target/mix "
+        "pregeneration included); evaluation, checkpointing and loading are off the clock",
+    )
     schedule_by: Literal["steps", "minutes"] = _f(
         "steps",
         "horizon of the lr decay and of distill.source=schedule: max_steps, or max_minutes of training clock "

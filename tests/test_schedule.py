@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,29 @@ def test_time_budgeted_run_switches_source_and_ends_its_lr_decay(pair, tmp_path)
     # the lr decayed over the 6 s of clock: its last step sits near the 10% floor, not at the peak
     assert train[-1]["train/lr"] < 0.25 * recipe["train"]["lr"]
     assert max(r["train/lr"] for r in train) > 0.8 * recipe["train"]["lr"]
+
+
+@pytest.mark.slow
+def test_pregenerated_target_continuations_count_against_the_training_clock(pair, tmp_path):
+    # 24 prompts x 24 tokens generated up front, then steps of one cached sequence: off the clock, the first
+    # step's clock would be that one short step; on it, the clock starts at the pregeneration's seconds
+    out = tmp_path / "run"
+    recipe = {
+        "target": {"model": str(pair["target"]), "dtype": "float32"},
+        "draft": {"model": str(pair["draft"]), "dtype": "float32"},
+        "data": {"train_prompts": str(pair["train"]), "eval_prompts": str(pair["eval"]), "max_prompt_tokens": 32},
+        "distill": {"loss": "fkl", "source": "target", "max_new_tokens": 24, "num_draft_tokens": 0},
+        "train": {"lr": 1e-3, "warmup_steps": 1, "max_steps": 2, "max_minutes": 10.0, "batch_size": 1},
+        "eval": {"every": 100_000, "num_prompts": 1, "max_new_tokens": 8, "repeats": 1, "hf_assisted": False},
+        "log": {"report_to": "none", "every": 1},
+        "output_dir": str(out),
+    }
+    proc = run_distill(recipe, tmp_path, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.search(r"data: 24 target continuations in ([\d.]+) s \(on the training clock\)", proc.stdout)
+    assert found, proc.stdout[-2000:]
+    pregen_s = float(found.group(1))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in rows if r.get("step") == 1 and "train/minutes" in r)
+    assert first["train/minutes"] * 60 >= pregen_s > 0
+    assert json.loads((out / "report.json").read_text())["train_minutes"] * 60 >= pregen_s

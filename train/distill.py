@@ -245,8 +245,16 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         num_draft_tokens=recipe.distill.num_draft_tokens,
         vocab=vocab_size,
     )
+    timer = Timer(recipe.train.max_minutes, elapsed_s=state.train_s)
     if recipe.distill.source in ("target", "mix") and recipe.distill.cache_rollouts:
-        source.pregenerate(train_prompts, rollout_draft, accelerator=accelerator, batch_size=recipe.train.batch_size)
+        # generating the training data is part of the training budget (train.max_minutes), as it is for
+        # source=schedule's on-demand target phase: a run is charged for every target forward it needs
+        with timer.running():
+            made = source.pregenerate(
+                train_prompts, rollout_draft, accelerator=accelerator, batch_size=recipe.train.batch_size
+            )
+        if accelerator.is_main_process and made:
+            print(f"data: {made} target continuations in {timer.elapsed_s:.1f} s (on the training clock)")
 
     def evaluate_and_save(step: int, loss: float | None, train_s: float) -> None:
         """The checkpoint of `step` (`train_s` training seconds in): evaluated on the main process, then saved
@@ -268,8 +276,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     # ---- loop
     if start_step == 0:
         evaluate_and_save(0, None, 0.0)
-    timer = Timer(recipe.train.max_minutes, elapsed_s=state.train_s)
-    clock.elapsed_s = timer.elapsed_s
+    clock.elapsed_s = shared_elapsed_s(accelerator, timer)
     draft.train()
     step = start_step
     with tqdm(
