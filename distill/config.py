@@ -185,8 +185,8 @@ class TrainConfig:
     max_steps: int = _f(200, "optimizer steps")
     max_minutes: float = _f(
         0.0,
-        "training-clock budget in minutes (0: none): training steps and the generation of their data (source=target/mix "
-        "pregeneration included); evaluation, checkpointing and loading are off the clock",
+        "training-clock budget in minutes (0: none): training steps and the generation of their data "
+        "(source=target/mix pregeneration included); evaluation, checkpointing and loading are off the clock",
     )
     schedule_by: Literal["steps", "minutes"] = _f(
         "steps",
