@@ -121,8 +121,9 @@ def match_vocab(model, target_vocab: int) -> tuple[int, int]:
     return old, target_vocab
 
 
-def generation_config_for(model, target_gen, num_assistant_tokens: int):
-    """The draft's generation config with the target's special tokens and the best measured gamma."""
+def generation_config_for(model, target_gen, assistant: dict):
+    """The draft's generation config with the target's special tokens and the HF assisted generation settings
+    `assistant` (from :func:`assistant_settings`)."""
     gen = model.generation_config
     if target_gen is not None:
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -131,14 +132,43 @@ def generation_config_for(model, target_gen, num_assistant_tokens: int):
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(gen, key, None) is None and getattr(model.config, key, None) is not None:
             setattr(gen, key, getattr(model.config, key))
-    # HF assisted generation reads these from the assistant's generation config (its default gamma is 20). The
-    # figures were measured with a constant gamma; HF's default confidence threshold (0.4) would end drafts early
-    # and change it, so 0 turns that off: the published draft runs as measured.
-    gen.num_assistant_tokens = num_assistant_tokens
-    gen.num_assistant_tokens_schedule = "constant"
-    gen.assistant_confidence_threshold = 0.0
+    # HF assisted generation reads these from the assistant's generation config: set all three, so no default
+    # (gamma 20, confidence threshold 0.4) runs unless it is what was measured fastest
+    for key in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"):
+        setattr(gen, key, assistant[key])
     gen._from_model_config = False  # edited on purpose: transformers must not regenerate it from config.json
     return gen
+
+
+def assistant_settings(ev: dict, gamma: int) -> tuple[dict, str]:
+    """The HF assisted generation settings the published generation_config carries, and the reason in words.
+
+    The eval times HF assisted generation twice on the same prompts: with the measured gamma (constant, no early
+    stop) and with transformers' defaults (20 tokens, confidence threshold 0.4). The faster one is published: the
+    measured gamma for a draft that accepts well, the defaults for one that accepts little (their threshold ends a
+    draft the draft is unsure of). Without HF figures, the measured gamma.
+    """
+    from decode.bench import HF_ASSISTED_DEFAULTS, published_assistant_settings
+
+    recorded = ev.get("hf_assisted_settings") or {}
+    measured = {**published_assistant_settings(gamma), **(recorded.get("published") or {})}
+    defaults = {**HF_ASSISTED_DEFAULTS, **(recorded.get("defaults") or {})}
+    tps = ev.get("tokens_per_s") or {}
+    fixed_tps, default_tps = tps.get("hf_assisted_published"), tps.get("hf_assisted")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (fixed_tps, default_tps)):
+        return measured, f"the measured γ ({measured['num_assistant_tokens']}), constant, no early stop"
+    fixed = f"{fixed_tps:.1f} tokens/s with γ {measured['num_assistant_tokens']} constant"
+    default = f"{default_tps:.1f} with transformers' defaults"
+    if default_tps > fixed_tps:
+        return defaults, (
+            f"transformers' defaults ({defaults['num_assistant_tokens']} tokens, confidence threshold "
+            f"{defaults['assistant_confidence_threshold']}), the faster HF setting in the eval: "
+            f"{default} against {fixed}"
+        )
+    return measured, (
+        f"the measured γ ({measured['num_assistant_tokens']}), constant, no early stop, the faster HF setting in the "
+        f"eval: {fixed} against {default}"
+    )
 
 
 def best_gamma(ev: dict) -> int:

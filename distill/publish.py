@@ -5,7 +5,7 @@ The published folder is a plain Transformers repo that HF assisted generation (`
 
     model.safetensors (+ config.json)   merged weights; vocab_size equal to the target's (rows padded if needed)
     tokenizer files                     the target's, so both models tokenize identically
-    generation_config.json              num_assistant_tokens = the best measured gamma, constant schedule
+    generation_config.json              HF assisted settings: the measured gamma, or HF's defaults if faster
     README.md                           model card: measured figures per engine, hardware, prompts, recipe, usage
     draftsmith_eval.json                the same figures, machine-readable (the card is rendered from it)
     resolved_recipe.yaml                the recipe that trained the draft
@@ -36,6 +36,7 @@ import yaml
 
 from distill.card import engine_of, render_model_card
 from distill.draft_folder import (
+    assistant_settings,
     best_gamma,
     copy_tokenizer,
     declared_dtype,
@@ -492,7 +493,8 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
     except Exception:  # noqa: BLE001 - many repos have no generation_config.json; the draft's tokens are kept
         target_gen = None
     gamma = best_gamma(src.eval)
-    model.generation_config = generation_config_for(model, target_gen, gamma)
+    assistant, assistant_why = assistant_settings(src.eval, gamma)
+    model.generation_config = generation_config_for(model, target_gen, assistant)
     model.save_pretrained(dest)
     del model
     tokenizer_from = copy_tokenizer(target, src, dest, trust, notes)
@@ -530,6 +532,7 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
         "best_step": src.step,
         "method": _describe_method(recipe, lora),
         "num_assistant_tokens": gamma,
+        "generation_config": {"assistant": assistant, "why": assistant_why},
         "hardware": hardware,
         "prompts": _prompts_name(src),
         "license": license_,
