@@ -158,6 +158,11 @@ class DistillConfig:
         "decoding, faster while the draft accepts too little to pay for its forwards, e.g. draft.init=truncate)",
     )
     cache_rollouts: bool = _f(True, "source=target: cache target continuations on disk and reuse them")
+    cache_teacher: bool = _f(
+        False,
+        "keep the target's top-k log-probabilities (distill.top_k) of each target-generated or dataset sequence in "
+        "memory: when the sequence comes back in a later epoch the step skips the target's forward",
+    )
     cache_dir: str = _f("", "target continuation cache (empty: <output_dir>/rollout_cache); runs may share one")
 
     def __post_init__(self) -> None:
@@ -172,6 +177,18 @@ class DistillConfig:
             "distill.num_draft_tokens",
             f"must be an int >= 0 (0: the target alone) or 'auto', got {self.num_draft_tokens!r}",
         )
+        if self.cache_teacher:
+            _check(
+                self.top_k > 0,
+                "distill.cache_teacher",
+                "keeps the teacher's top-k log-probabilities: set distill.top_k (e.g. 64) or cache_teacher=false",
+            )
+            _check(
+                self.source != "draft",
+                "distill.cache_teacher",
+                "on-policy sequences (source=draft) never come back: use source target/fixed/mix/schedule or "
+                "cache_teacher=false",
+            )
 
 
 @dataclass

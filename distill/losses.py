@@ -140,22 +140,38 @@ def log_probs(
         log_ps = torch.log_softmax(_scaled(student, temperature), -1)
         return log_ps, torch.log_softmax(_scaled(teacher, temperature), -1)
 
-    # Teacher: top-k ids on the raw logits (scaling is monotonic), probabilities from its full softmax.
-    # The teacher's tail is summed directly over the other ids: 1 - sum(top k) would lose its relative precision
-    # when the top k hold nearly all the mass, and reverse KL weighs log p_T(tail) by the student's tail mass.
+    top_ids, log_pt = teacher_top_k(teacher, top_k, temperature)
+    return student_log_probs_at(student, top_ids, temperature), log_pt
+
+
+def teacher_top_k(teacher: torch.Tensor, top_k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k ids and its log-probabilities over those ids plus the tail bucket (module docstring).
+
+    teacher: [tokens, V] logits (no gradient) -> (ids [tokens, k] int64, log p_T [tokens, k + 1] float32).
+    """
+    # top-k ids on the raw logits (scaling is monotonic), probabilities from the full softmax. The tail is summed
+    # directly over the other ids: 1 - sum(top k) would lose its relative precision when the top k hold nearly
+    # all the mass, and reverse KL weighs log p_T(tail) by the student's tail mass.
+    teacher = teacher.detach()
     top_ids = teacher.topk(top_k, dim=-1).indices  # [tokens, k]
-    t_scaled = _scaled(teacher, temperature)  # [tokens, V], transient (no gradient)
+    t_scaled = _scaled(teacher, temperature)  # [tokens, V], transient
     t_lse = torch.logsumexp(t_scaled, -1, keepdim=True)  # [tokens, 1]
     t_top = t_scaled.gather(-1, top_ids) - t_lse  # [tokens, k]
     t_tail = torch.logsumexp(t_scaled.scatter(-1, top_ids, float("-inf")), -1, keepdim=True) - t_lse
-    del t_scaled
-    # Student: its full softmax normaliser (the one full-width float32 tensor kept for backward), gathered at
-    # the teacher's ids; its tail is 1 - their sum (absolute error ~1e-7, which only matters relative to a tail
-    # that small, where its KL terms are that small too).
+    return top_ids, torch.cat([t_top, t_tail], -1)
+
+
+def student_log_probs_at(student: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The student's log-probabilities at the teacher's top-k `ids` plus its tail bucket (1 minus their sum).
+
+    student: [tokens, V] logits (carries the gradient), ids: [tokens, k] -> [tokens, k + 1] float32.
+    """
+    # the full softmax normaliser is the one full-width float32 tensor kept for backward; the tail's absolute
+    # error (~1e-7) only matters relative to a tail that small, where its KL terms are that small too
     s_lse = torch.logsumexp(_scaled(student, temperature), -1, keepdim=True)  # [tokens, 1]
-    s_top = _scaled(student.gather(-1, top_ids), temperature) - s_lse  # [tokens, k]
+    s_top = _scaled(student.gather(-1, ids.to(student.device)), temperature) - s_lse  # [tokens, k]
     s_tail = _log1mexp(torch.logsumexp(s_top, -1, keepdim=True).clamp(max=0.0))
-    return torch.cat([s_top, s_tail], -1), torch.cat([t_top, t_tail], -1)
+    return torch.cat([s_top, s_tail], -1)
 
 
 # ---------------------------------------------------------------- forward KL, fused and chunked
@@ -296,15 +312,51 @@ def distill_loss(
     log_ps, log_pt = log_probs(
         student_logits, teacher_logits, mask, temperature=temperature, top_k=top_k, vocab_size=vocab_size
     )
+    return divergence(log_ps, log_pt, loss, beta).mean()
+
+
+def divergence(log_ps: torch.Tensor, log_pt: torch.Tensor, loss: str, beta: float = 0.5) -> torch.Tensor:
+    """Per-token divergence of two log-probability tensors, same outcomes: [tokens, *] -> [tokens]."""
     if loss == "fkl":
-        per_token = forward_kl_per_token(log_ps, log_pt)
-    elif loss == "rkl":
-        per_token = reverse_kl_per_token(log_ps, log_pt)
-    elif loss == "jsd":
-        per_token = jsd_per_token(log_ps, log_pt, beta)
-    else:
-        per_token = tvd_per_token(log_ps, log_pt)
-    return per_token.mean()
+        return forward_kl_per_token(log_ps, log_pt)
+    if loss == "rkl":
+        return reverse_kl_per_token(log_ps, log_pt)
+    if loss == "jsd":
+        return jsd_per_token(log_ps, log_pt, beta)
+    if loss == "tvd":
+        return tvd_per_token(log_ps, log_pt)
+    raise ValueError(f"loss {loss!r} is not one of {', '.join(LOSSES)}")
+
+
+def distill_loss_top_k(
+    student_logits: torch.Tensor,
+    mask: torch.Tensor,
+    top_ids: torch.Tensor,
+    log_pt: torch.Tensor,
+    *,
+    loss: str = "fkl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """`distill_loss` with `top_k` against a teacher given as its top-k ids and log-probabilities (from
+    :func:`teacher_top_k`, e.g. kept from an earlier epoch, distill.teacher_cache), one row per masked position
+    in row-major order (the order `mask` selects them in).
+
+    student_logits [batch, seq, V], mask [batch, seq], top_ids [tokens, k], log_pt [tokens, k + 1] -> 0-dim mean.
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"loss {loss!r} is not one of {', '.join(LOSSES)}")
+    keep = mask.to(device=student_logits.device) != 0
+    n = int(keep.sum())
+    if n == 0 or tuple(top_ids.shape[:1]) != (n,) or tuple(log_pt.shape) != (n, top_ids.shape[1] + 1):
+        raise ValueError(
+            f"teacher top-k rows {tuple(top_ids.shape)} / {tuple(log_pt.shape)} do not match the {n} masked positions"
+        )
+    width = student_logits.shape[-1] if vocab_size is None else vocab_size
+    student = student_logits[keep][:, :width]
+    log_ps = student_log_probs_at(student, top_ids, temperature)
+    return divergence(log_ps, log_pt.to(log_ps.device).float(), loss, beta).mean()
 
 
 # Named shorthands of distill_loss (same arguments; beta matters for generalized_jsd only).

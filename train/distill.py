@@ -151,7 +151,18 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from distill import data, distributed, draft_init, losses, models, preflight, prompt_gen, rollouts, schedule
+    from distill import (
+        data,
+        distributed,
+        draft_init,
+        losses,
+        models,
+        preflight,
+        prompt_gen,
+        rollouts,
+        schedule,
+        teacher_cache,
+    )
 
     # ---- setup
     distributed.check_launch(recipe)  # DeepSpeed without CUDA, FSDP with on-policy rollouts...: refuse up front
@@ -245,6 +256,12 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         num_draft_tokens=recipe.distill.num_draft_tokens,
         vocab=vocab_size,
     )
+    # distill.cache_teacher: the target's top-k rows of sequences that come back in later epochs
+    teachers = (
+        teacher_cache.TeacherCache(recipe.distill.top_k, recipe.distill.temperature)
+        if recipe.distill.cache_teacher
+        else None
+    )
     timer = Timer(recipe.train.max_minutes, elapsed_s=state.train_s)
     if recipe.distill.source in ("target", "mix") and recipe.distill.cache_rollouts:
         # generating the training data is part of the training budget (train.max_minutes), as it is for
@@ -290,6 +307,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
             with timer.running():
                 t0 = time.perf_counter()
                 gen_s, n_tokens, batch_tokens, loss_sum, agree_sum = 0.0, 0, 0, 0.0, 0.0
+                teacher_rows_computed = 0
                 clock_before_s = clock.elapsed_s
                 for micro in range(recipe.train.grad_accum):
                     idx = batch_indices(step, micro, recipe.train, len(train_prompts), rank, world)
@@ -311,20 +329,41 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                     )  # fmt: skip
                     with accelerator.accumulate(draft):
                         student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                        with torch.no_grad():
-                            teacher = target(
-                                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-                            ).logits
-                        loss = losses.distill_loss(
-                            student,
-                            teacher,
-                            batch["loss_mask"],
-                            loss=recipe.distill.loss,
-                            beta=recipe.distill.beta,
-                            temperature=recipe.distill.temperature,
-                            top_k=recipe.distill.top_k,
-                            vocab_size=vocab_size,
-                        )
+                        if teachers is not None:  # top-k rows kept from an earlier epoch; the target runs on the rest
+                            top_ids, log_pt, computed = teacher_cache.teacher_rows(
+                                teachers,
+                                [teacher_cache.sequence_key(p, c) for p, c in pairs],
+                                batch,
+                                target,
+                                keep=source.last_source != "draft",
+                                vocab_size=vocab_size,
+                            )
+                            teacher_rows_computed += computed
+                            loss = losses.distill_loss_top_k(
+                                student,
+                                batch["loss_mask"],
+                                top_ids,
+                                log_pt,
+                                loss=recipe.distill.loss,
+                                beta=recipe.distill.beta,
+                                temperature=recipe.distill.temperature,
+                                vocab_size=vocab_size,
+                            )
+                        else:
+                            with torch.no_grad():
+                                teacher = target(
+                                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                                ).logits
+                            loss = losses.distill_loss(
+                                student,
+                                teacher,
+                                batch["loss_mask"],
+                                loss=recipe.distill.loss,
+                                beta=recipe.distill.beta,
+                                temperature=recipe.distill.temperature,
+                                top_k=recipe.distill.top_k,
+                                vocab_size=vocab_size,
+                            )
                         check_finite(accelerator, loss, step, ckpt_root)
                         accelerator.backward(loss)
                         if accelerator.sync_gradients and recipe.train.max_grad_norm > 0:
@@ -334,8 +373,11 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                     n_tokens += int(batch["loss_mask"].sum())
                     batch_tokens += int(batch["attention_mask"].sum())
                     loss_sum += float(loss.detach())
+                    detached = student.detach()
                     agree_sum += float(
-                        losses.top1_agreement(student.detach(), teacher, batch["loss_mask"], vocab_size=vocab_size)
+                        teacher_cache.top1_agreement_top_k(detached, batch["loss_mask"], top_ids, vocab_size)
+                        if teachers is not None
+                        else losses.top1_agreement(detached, teacher, batch["loss_mask"], vocab_size=vocab_size)
                     )
                 clock.elapsed_s = shared_elapsed_s(accelerator, timer)
                 scheduler.step()  # once per optimizer step, on every process alike
@@ -356,6 +398,15 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                         "train/rollout_s": gen_s,
                         "train/on_policy": float(source.last_source == "draft"),
                         "train/minutes": timer.elapsed_s / 60.0,
+                        **(
+                            {
+                                # sequences of this step the target had to score (the rest came from the cache)
+                                "train/teacher_forwards": teacher_rows_computed,
+                                "train/teacher_cache_gb": teachers.nbytes / 1e9,
+                            }
+                            if teachers is not None
+                            else {}
+                        ),
                     },
                     step=step,
                 )

@@ -1,0 +1,130 @@
+"""distill.teacher_cache: the target's top-k rows kept for sequences that come back, and the loss on them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distill import losses
+from distill.config import RecipeError, load_recipe
+from distill.data import collate_training
+from distill.teacher_cache import TeacherCache, sequence_key, teacher_rows, top1_agreement_top_k
+from tests.procs import run_distill
+from tests.tiny import tiny_llama
+
+V = 40
+
+
+def _batch():
+    pairs = [([1, 2, 3, 4], [5, 6, 7]), ([8, 9], [10, 11, 12, 13, 14]), ([3, 3, 3, 3, 3, 3], [2])]
+    return pairs, collate_training(pairs, pad_token_id=0, loss_positions="all")
+
+
+@pytest.mark.parametrize("loss", losses.LOSSES)
+def test_loss_on_kept_rows_equals_the_top_k_loss(loss):
+    """The loss on teacher_top_k rows is distill_loss(top_k=k): same value, same gradient."""
+    g = torch.Generator().manual_seed(0)
+    student = torch.randn(3, 9, V, generator=g, requires_grad=True)
+    teacher = torch.randn(3, 9, V, generator=g) * 3
+    mask = (torch.rand(3, 9, generator=g) > 0.4).long()
+    reference = losses.distill_loss(student, teacher, mask, loss=loss, beta=0.3, temperature=0.8, top_k=5)
+    (ref_grad,) = torch.autograd.grad(reference, student)
+    ids, log_pt = losses.teacher_top_k(teacher[mask.bool()], 5, temperature=0.8)
+    cached = losses.distill_loss_top_k(student, mask, ids, log_pt, loss=loss, beta=0.3, temperature=0.8)
+    (grad,) = torch.autograd.grad(cached, student)
+    assert cached.item() == pytest.approx(reference.item(), rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(grad, ref_grad)
+
+
+def test_loss_on_kept_rows_names_a_row_count_mismatch():
+    student, mask = torch.randn(1, 4, V), torch.tensor([[1, 1, 0, 1]])
+    ids, log_pt = losses.teacher_top_k(torch.randn(2, V), 4)
+    with pytest.raises(ValueError, match=r"do not match the 3 masked positions"):
+        losses.distill_loss_top_k(student, mask, ids, log_pt)
+
+
+def test_rows_come_from_the_cache_the_second_time_and_match_the_full_batch_forward():
+    target = tiny_llama(V, seed=3)
+    pairs, batch = _batch()
+    keys = [sequence_key(p, c) for p, c in pairs]
+    cache = TeacherCache(top_k=6, temperature=0.8)
+    ids, log_pt, computed = teacher_rows(cache, keys, batch, target, keep=True)
+    assert computed == 3 and len(cache) == 3 and cache.nbytes > 0
+    # the same rows as the top-k of the whole batch's forward (right padding: a row's logits are its own)
+    with torch.no_grad():
+        full = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ref_ids, ref_logp = losses.teacher_top_k(full[batch["loss_mask"].bool()], 6, 0.8)
+    assert ids.shape == ref_ids.shape and log_pt.shape == ref_logp.shape
+    torch.testing.assert_close(log_pt, ref_logp, atol=1e-4, rtol=1e-4)
+    assert (ids[:, 0] == ref_ids[:, 0]).all()
+
+    again_ids, again_logp, computed = teacher_rows(cache, keys, batch, target, keep=True)
+    assert computed == 0 and cache.hits == 3
+    assert torch.equal(again_ids, ids)
+    torch.testing.assert_close(again_logp, log_pt, atol=2e-3, rtol=1e-3)  # stored in float16
+
+    # one new sequence in the batch: only it goes through the target
+    pairs2 = [pairs[0], ([7, 7], [1, 2])]
+    batch2 = collate_training(pairs2, pad_token_id=0, loss_positions="all")
+    _, _, computed = teacher_rows(cache, [sequence_key(p, c) for p, c in pairs2], batch2, target, keep=False)
+    assert computed == 1 and len(cache) == 3  # keep=False (on-policy): not stored
+
+
+def test_top1_agreement_from_kept_rows():
+    pairs, batch = _batch()
+    n = int(batch["loss_mask"].sum())
+    student = torch.zeros(batch["input_ids"].shape + (V,))
+    student[..., 7] = 1.0  # argmax 7 everywhere
+    ids = torch.tensor([[7, 1]] * (n - 2) + [[3, 7]] * 2)
+    assert top1_agreement_top_k(student, batch["loss_mask"], ids).item() == pytest.approx((n - 2) / n)
+
+
+def test_sequence_key_separates_prompt_and_completion():
+    assert sequence_key([1, 2], [3]) != sequence_key([1], [2, 3])
+    assert sequence_key([1, 2], [3]) == sequence_key((1, 2), (3,))
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["distill.cache_teacher=true"], r"distill.cache_teacher: .*set distill.top_k"),
+        (["distill.cache_teacher=true", "distill.top_k=8", "distill.source=draft"], r"never come back"),
+    ],
+)
+def test_cache_teacher_config_errors(overrides, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(None, overrides)
+
+
+@pytest.mark.slow
+def test_a_run_scores_each_sequence_once_then_trains_from_the_cache(tmp_path):
+    """source=target over several epochs: the target scores every training sequence in the first epoch only."""
+    from tests.tiny import make_pair, make_prompts
+
+    target, draft = make_pair(tmp_path / "pair")
+    out = tmp_path / "run"
+    recipe = {
+        "target": {"model": str(target), "dtype": "float32"},
+        "draft": {"model": str(draft), "dtype": "float32"},
+        "data": {
+            "train_prompts": str(make_prompts(tmp_path / "train.jsonl", 8, seed=1)),
+            "eval_prompts": str(make_prompts(tmp_path / "eval.jsonl", 2, seed=2)),
+            "max_prompt_tokens": 32,
+        },
+        "distill": {"loss": "fkl", "source": "target", "max_new_tokens": 8, "top_k": 8, "cache_teacher": True},
+        "train": {"lr": 1e-3, "warmup_steps": 1, "max_steps": 12, "batch_size": 4},
+        "eval": {"every": 100_000, "num_prompts": 1, "max_new_tokens": 8, "repeats": 1, "hf_assisted": False},
+        "log": {"report_to": "none", "every": 1},
+        "output_dir": str(out),
+    }
+    proc = run_distill(recipe, tmp_path, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    forwards = [r["train/teacher_forwards"] for r in rows if "train/teacher_forwards" in r]
+    assert len(forwards) == 12
+    assert sum(forwards) == 8  # 8 sequences, each scored once (epoch 1: steps 1-2), reused for 5 more epochs
+    assert forwards[2:] == [0] * 10
+    assert [r for r in rows if "train/teacher_cache_gb" in r][-1]["train/teacher_cache_gb"] > 0
+    assert all(r["train/loss"] == r["train/loss"] for r in rows if "train/loss" in r)  # finite
