@@ -239,6 +239,45 @@ def fused_forward_kl(
     return _FusedForwardKL.apply(student_logits, teacher_logits.detach(), rows, shared, temperature)
 
 
+class _FusedTopKForwardKL(torch.autograd.Function):
+    """Mean KL over the teacher's top-k ids + tail bucket (distill_loss with top_k, loss fkl), and its gradient,
+    chunk by chunk of rows, against a teacher given as its top-k ids and log-probabilities (teacher_top_k).
+
+    With q the student's softmax, K the top-k ids and Q = 1 - sum_K q its tail mass, the gradient in the scaled
+    logits is q_v - p_v for v in K and q_v (1 - p_tail / Q) elsewhere: the teacher's tail mass spread over the
+    student's tail in the student's proportions. As in _FusedForwardKL, no [tokens, vocab] float32 tensor is kept.
+    """
+
+    @staticmethod
+    def forward(ctx, student, rows, top_ids, log_pt, shared, temperature):  # noqa: ANN001, ANN205 - autograd
+        flat_s = student.reshape(-1, student.shape[-1])
+        grad = torch.zeros_like(flat_s)
+        total = torch.zeros((), dtype=torch.float64, device=student.device)
+        step = max(1, _CHUNK_ELEMENTS.get(student.device.type, _CHUNK_DEFAULT) // shared)
+        for start in range(0, rows.numel(), step):
+            idx = rows[start : start + step]
+            ids, lp = top_ids[start : start + step], log_pt[start : start + step]
+            s = _scaled(flat_s.index_select(0, idx)[:, :shared], temperature)
+            s.sub_(torch.logsumexp(s, -1, keepdim=True)).exp_()  # q
+            q_top = s.gather(-1, ids)  # [rows, k]
+            q_tail = (1.0 - q_top.sum(-1, keepdim=True)).clamp_(min=_TAIL_FLOOR)
+            p = lp.exp()
+            log_q = torch.cat([q_top.clamp(min=_TAIL_FLOOR).log(), q_tail.log()], -1)
+            total += (p * (lp - log_q)).sum().double()
+            s.mul_(1.0 - p[:, -1:] / q_tail)  # the tail's gradient everywhere, then the top-k ids' own
+            s.scatter_(-1, ids, q_top - p[:, :-1])
+            grad[idx, :shared] = s.to(grad.dtype)
+        ctx.save_for_backward(grad)
+        ctx.scale = 1.0 / (rows.numel() * temperature)
+        ctx.shape = student.shape
+        return (total / rows.numel()).float()
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: ANN001, ANN205 - autograd signature
+        (grad,) = ctx.saved_tensors
+        return (grad * (grad_output * ctx.scale).to(grad.dtype)).reshape(ctx.shape), None, None, None, None, None
+
+
 # ---------------------------------------------------------------- per-token divergences of log-probabilities
 
 
@@ -354,9 +393,13 @@ def distill_loss_top_k(
             f"teacher top-k rows {tuple(top_ids.shape)} / {tuple(log_pt.shape)} do not match the {n} masked positions"
         )
     width = student_logits.shape[-1] if vocab_size is None else vocab_size
-    student = student_logits[keep][:, :width]
-    log_ps = student_log_probs_at(student, top_ids, temperature)
-    return divergence(log_ps, log_pt.to(log_ps.device).float(), loss, beta).mean()
+    log_pt = log_pt.to(student_logits.device).float()
+    top_ids = top_ids.to(student_logits.device)
+    if loss == "fkl":  # the fused, chunked form (same value and gradient)
+        rows = keep.reshape(-1).nonzero().squeeze(-1)
+        return _FusedTopKForwardKL.apply(student_logits, rows, top_ids, log_pt, width, temperature)
+    log_ps = student_log_probs_at(student_logits[keep][:, :width], top_ids, temperature)
+    return divergence(log_ps, log_pt, loss, beta).mean()
 
 
 # Named shorthands of distill_loss (same arguments; beta matters for generalized_jsd only).

@@ -93,16 +93,19 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch
 def batch_indices(step: int, micro: int, cfg: TrainConfig, n: int, rank: int, world: int) -> list[int]:
     """Prompt indices for one micro-batch of one process, a pure function of (step, micro, rank).
 
-    Each epoch is a seeded permutation; global micro-batch g covers positions [g*B*world, (g+1)*B*world) of
-    the epoch stream and each rank takes its own B. Because the order depends on nothing but the step,
-    `--resume` replays exactly the data a run without interruption would have seen.
+    Each process draws from its own fixed share of the n prompts (every world-th one, from its rank), in a
+    seeded permutation of that share each epoch, `batch_size` per micro-batch: the processes never train on the
+    same prompt in a step, together they cover every prompt once an epoch, and a process meets the same
+    sequences again each epoch, so what it keeps (distill.cache_teacher) is found again. With one process this is
+    a seeded permutation of all prompts. Because the order depends on nothing but the step, `--resume` replays
+    exactly the data a run without interruption would have seen.
     """
-    per_global = cfg.batch_size * world
-    start = (step * cfg.grad_accum + micro) * per_global + rank * cfg.batch_size
+    share = range(rank, n, world) if n >= world else range(rank % n, rank % n + 1)
+    start = (step * cfg.grad_accum + micro) * cfg.batch_size
     out = []
     for pos in range(start, start + cfg.batch_size):
-        epoch, offset = divmod(pos, n)
-        out.append(_epoch_order(cfg.seed, epoch, n)[offset])
+        epoch, offset = divmod(pos, len(share))
+        out.append(share[_epoch_order(cfg.seed, epoch, len(share))[offset]])
     return out
 
 

@@ -128,3 +128,44 @@ def test_a_run_scores_each_sequence_once_then_trains_from_the_cache(tmp_path):
     assert forwards[2:] == [0] * 10
     assert [r for r in rows if "train/teacher_cache_gb" in r][-1]["train/teacher_cache_gb"] > 0
     assert all(r["train/loss"] == r["train/loss"] for r in rows if "train/loss" in r)  # finite
+
+
+@pytest.mark.parametrize("chunk,dtype", [(1, torch.float32), (7 * V, torch.float32), (1 << 20, torch.bfloat16)])
+def test_fused_top_k_forward_kl_matches_the_unfused_form(monkeypatch, chunk, dtype):
+    """The chunked forward KL on kept rows (rows one by one, ragged chunks, one chunk; a bf16 student) equals the
+    log-probability form of the other losses: value and gradient."""
+    monkeypatch.setitem(losses._CHUNK_ELEMENTS, "cpu", chunk)
+    g = torch.Generator().manual_seed(1)
+    student = (torch.randn(2, 11, V, generator=g) * 2).to(dtype).requires_grad_()
+    mask = (torch.rand(2, 11, generator=g) > 0.3).long()
+    ids, log_pt = losses.teacher_top_k(torch.randn(int(mask.sum()), V, generator=g) * 3, 6, temperature=0.7)
+    fused = losses.distill_loss_top_k(student, mask, ids, log_pt, temperature=0.7)
+    (grad,) = torch.autograd.grad(fused, student)
+    log_ps = losses.student_log_probs_at(student[mask.bool()], ids, 0.7)
+    plain = losses.forward_kl_per_token(log_ps, log_pt).mean()
+    (ref_grad,) = torch.autograd.grad(plain, student)
+    assert fused.item() == pytest.approx(plain.item(), rel=1e-5, abs=1e-6)
+    tol = {"atol": 1e-6, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-4, "rtol": 2e-2}
+    torch.testing.assert_close(grad.float(), ref_grad.float(), **tol)
+
+
+def test_each_process_keeps_its_share_of_the_prompts_across_epochs():
+    from distill.config import TrainConfig
+    from distill.training import batch_indices
+
+    cfg = TrainConfig(batch_size=3, grad_accum=2, seed=5)
+    n, world = 23, 2
+    seen = {r: [i for step in range(8) for m in range(2) for i in batch_indices(step, m, cfg, n, r, world)]
+            for r in range(world)}  # fmt: skip
+    for r in range(world):
+        share = set(range(r, n, world))
+        assert set(seen[r]) == share  # only its own prompts: what it cached comes back
+        size = len(share)
+        assert sorted(seen[r][:size]) == sorted(share)  # an epoch covers the share once
+        assert seen[r][:size] != seen[r][size : 2 * size]  # and the next one is another order
+    for step in range(8):  # the processes never share a prompt in a step
+        assert not set(batch_indices(step, 0, cfg, n, 0, world)) & set(batch_indices(step, 0, cfg, n, 1, world))
+    # one process: a seeded permutation of all prompts, epoch after epoch
+    one = [i for step in range(8) for i in batch_indices(step, 0, TrainConfig(batch_size=3, seed=5), 23, 0, 1)]
+    assert sorted(one[:23]) == list(range(23))
+    assert batch_indices(0, 0, cfg, 1, 1, 2) == [0, 0, 0]  # fewer prompts than processes
