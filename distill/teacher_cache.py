@@ -7,9 +7,11 @@ coarsening the loss uses without a cache, see distill.losses) lets the steps of 
 forward pass: they cost only the draft's forward and backward.
 
 Entries are keyed by the exact token ids of the sequence (prompt and completion) and hold one row per loss
-position, in order. Each process keeps the sequences it has seen; on-policy sequences (`source: draft`) are
-new every time and are not kept. Memory: per loss position, k int32 ids and k + 1 float16 log-probabilities
-(k = 64: 390 bytes; 4000 sequences of 250 positions: 0.4 GB per process); `nbytes` says how much is held.
+position, in order. Each process keeps the sequences of its own share of the prompts (distill.training.
+batch_indices gives a process the same share every epoch, so from the second epoch on every lookup hits);
+on-policy sequences (`source: draft`) are new every time and are not kept. Memory: per loss position, k int32 ids
+and k + 1 float16 log-probabilities (k = 64: 386 bytes; the reference pair's 3927 prompts on 2 processes: 0.11 GB
+per process); `nbytes` says how much is held.
 """
 
 from __future__ import annotations
