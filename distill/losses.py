@@ -184,33 +184,29 @@ _CHUNK_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 24}
 _CHUNK_DEFAULT = 1 << 22
 
 
-class _FusedForwardKL(torch.autograd.Function):
-    """Mean KL(p_T || p_S) over the kept positions, and its gradient, computed chunk by chunk of rows.
+class _FusedKL(torch.autograd.Function):
+    """Mean forward KL over the kept rows, and its gradient, computed chunk by chunk of rows.
 
-    With s the student's scaled logits, d KL / d s = p_S - p_T. The forward pass computes the KL and this
-    gradient per chunk and keeps only the gradient (in the student logits' dtype); no
-    [tokens, vocab] float32 copy of either model's logits, log-probabilities or products is ever materialised.
+    `chunk_kl(s, idx, span)` gets the student's scaled logits of one chunk (float32 [rows, shared], its own copy:
+    it may work in place), the rows' flat indices and their span in the kept-row order, and returns the chunk's KL
+    sum and its gradient in those logits. The forward pass keeps only the gradient (in the student logits' dtype):
+    no [tokens, vocab] float32 copy of either model's logits, log-probabilities or products is ever materialised.
     Large vocabularies (SmolLM2 49k, Llama 3 128k, Qwen 152k) make these elementwise passes the bulk of a
     distillation step otherwise.
     """
 
     @staticmethod
-    def forward(ctx, student, teacher, rows, shared, temperature):  # noqa: ANN001, ANN205 - autograd signature
+    def forward(ctx, student, rows, shared, temperature, chunk_kl):  # noqa: ANN001, ANN205 - autograd signature
         flat_s = student.reshape(-1, student.shape[-1])
-        flat_t = teacher.reshape(-1, teacher.shape[-1])
         grad = torch.zeros_like(flat_s)
         total = torch.zeros((), dtype=torch.float64, device=student.device)
         step = max(1, _CHUNK_ELEMENTS.get(student.device.type, _CHUNK_DEFAULT) // shared)
         for start in range(0, rows.numel(), step):
             idx = rows[start : start + step]
             s = _scaled(flat_s.index_select(0, idx)[:, :shared], temperature)
-            t = _scaled(flat_t.index_select(0, idx)[:, :shared], temperature)
-            s.sub_(torch.logsumexp(s, -1, keepdim=True))  # log p_S
-            t.sub_(torch.logsumexp(t, -1, keepdim=True))  # log p_T
-            p_t = t.exp()
-            total += (p_t * t.sub_(s)).sum().double()  # (identical logits give exactly 0)
-            s.exp_().sub_(p_t)  # p_S - p_T
-            grad[idx, :shared] = s.to(grad.dtype)
+            kl, g = chunk_kl(s, idx, slice(start, start + step))
+            total += kl.double()
+            grad[idx, :shared] = g.to(grad.dtype)
         ctx.save_for_backward(grad)
         ctx.scale = 1.0 / (rows.numel() * temperature)
         ctx.shape = student.shape
@@ -222,6 +218,39 @@ class _FusedForwardKL(torch.autograd.Function):
         return (grad * (grad_output * ctx.scale).to(grad.dtype)).reshape(ctx.shape), None, None, None, None
 
 
+def _full_kl_chunks(teacher: torch.Tensor, shared: int, temperature: float):  # noqa: ANN202 - a closure
+    """The chunk function of the full-vocabulary forward KL: d KL / d s = p_S - p_T."""
+    flat_t = teacher.reshape(-1, teacher.shape[-1])
+
+    def chunk_kl(s: torch.Tensor, idx: torch.Tensor, span: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        t = _scaled(flat_t.index_select(0, idx)[:, :shared], temperature)
+        s.sub_(torch.logsumexp(s, -1, keepdim=True))  # log p_S
+        t.sub_(torch.logsumexp(t, -1, keepdim=True))  # log p_T
+        p_t = t.exp()
+        kl = (p_t * t.sub_(s)).sum()  # (identical logits give exactly 0)
+        return kl, s.exp_().sub_(p_t)  # p_S - p_T
+
+    return chunk_kl
+
+
+def _top_k_kl_chunks(top_ids: torch.Tensor, log_pt: torch.Tensor):  # noqa: ANN202 - a closure
+    """The chunk function of the forward KL over the teacher's top-k ids + tail bucket. With q the student's
+    softmax, K the ids and Q = 1 - sum_K q its tail mass, the gradient is q_v - p_v for v in K and
+    q_v (1 - p_tail / Q) elsewhere: the teacher's tail mass spread over the student's tail in its proportions."""
+
+    def chunk_kl(s: torch.Tensor, idx: torch.Tensor, span: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, lp = top_ids[span], log_pt[span]
+        s.sub_(torch.logsumexp(s, -1, keepdim=True)).exp_()  # q
+        q_top = s.gather(-1, ids)  # [rows, k]
+        q_tail = (1.0 - q_top.sum(-1, keepdim=True)).clamp_(min=_TAIL_FLOOR)
+        p = lp.exp()
+        kl = (p * (lp - torch.cat([q_top.clamp(min=_TAIL_FLOOR).log(), q_tail.log()], -1))).sum()
+        s.mul_(1.0 - p[:, -1:] / q_tail)  # the tail's gradient everywhere, then the top-k ids' own
+        return kl, s.scatter_(-1, ids, q_top - p[:, :-1])
+
+    return chunk_kl
+
+
 def fused_forward_kl(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -231,51 +260,13 @@ def fused_forward_kl(
     vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Forward KL over the full vocabulary, as `distill_loss(loss="fkl")` computes it (same value up to float32
-    rounding, same gradient), in a fraction of the memory traffic: see :class:`_FusedForwardKL`."""
+    rounding, same gradient), in a fraction of the memory traffic: see :class:`_FusedKL`."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     keep, shared = _kept_positions(student_logits, teacher_logits, mask, vocab_size)
     rows = keep.reshape(-1).nonzero().squeeze(-1)
-    return _FusedForwardKL.apply(student_logits, teacher_logits.detach(), rows, shared, temperature)
-
-
-class _FusedTopKForwardKL(torch.autograd.Function):
-    """Mean KL over the teacher's top-k ids + tail bucket (distill_loss with top_k, loss fkl), and its gradient,
-    chunk by chunk of rows, against a teacher given as its top-k ids and log-probabilities (teacher_top_k).
-
-    With q the student's softmax, K the top-k ids and Q = 1 - sum_K q its tail mass, the gradient in the scaled
-    logits is q_v - p_v for v in K and q_v (1 - p_tail / Q) elsewhere: the teacher's tail mass spread over the
-    student's tail in the student's proportions. As in _FusedForwardKL, no [tokens, vocab] float32 tensor is kept.
-    """
-
-    @staticmethod
-    def forward(ctx, student, rows, top_ids, log_pt, shared, temperature):  # noqa: ANN001, ANN205 - autograd
-        flat_s = student.reshape(-1, student.shape[-1])
-        grad = torch.zeros_like(flat_s)
-        total = torch.zeros((), dtype=torch.float64, device=student.device)
-        step = max(1, _CHUNK_ELEMENTS.get(student.device.type, _CHUNK_DEFAULT) // shared)
-        for start in range(0, rows.numel(), step):
-            idx = rows[start : start + step]
-            ids, lp = top_ids[start : start + step], log_pt[start : start + step]
-            s = _scaled(flat_s.index_select(0, idx)[:, :shared], temperature)
-            s.sub_(torch.logsumexp(s, -1, keepdim=True)).exp_()  # q
-            q_top = s.gather(-1, ids)  # [rows, k]
-            q_tail = (1.0 - q_top.sum(-1, keepdim=True)).clamp_(min=_TAIL_FLOOR)
-            p = lp.exp()
-            log_q = torch.cat([q_top.clamp(min=_TAIL_FLOOR).log(), q_tail.log()], -1)
-            total += (p * (lp - log_q)).sum().double()
-            s.mul_(1.0 - p[:, -1:] / q_tail)  # the tail's gradient everywhere, then the top-k ids' own
-            s.scatter_(-1, ids, q_top - p[:, :-1])
-            grad[idx, :shared] = s.to(grad.dtype)
-        ctx.save_for_backward(grad)
-        ctx.scale = 1.0 / (rows.numel() * temperature)
-        ctx.shape = student.shape
-        return (total / rows.numel()).float()
-
-    @staticmethod
-    def backward(ctx, grad_output):  # noqa: ANN001, ANN205 - autograd signature
-        (grad,) = ctx.saved_tensors
-        return (grad * (grad_output * ctx.scale).to(grad.dtype)).reshape(ctx.shape), None, None, None, None, None
+    chunks = _full_kl_chunks(teacher_logits.detach(), shared, temperature)
+    return _FusedKL.apply(student_logits, rows, shared, temperature, chunks)
 
 
 # ---------------------------------------------------------------- per-token divergences of log-probabilities
@@ -397,7 +388,7 @@ def distill_loss_top_k(
     top_ids = top_ids.to(student_logits.device)
     if loss == "fkl":  # the fused, chunked form (same value and gradient)
         rows = keep.reshape(-1).nonzero().squeeze(-1)
-        return _FusedTopKForwardKL.apply(student_logits, rows, top_ids, log_pt, width, temperature)
+        return _FusedKL.apply(student_logits, rows, width, temperature, _top_k_kl_chunks(top_ids, log_pt))
     log_ps = student_log_probs_at(student_logits[keep][:, :width], top_ids, temperature)
     return divergence(log_ps, log_pt, loss, beta).mean()
 
