@@ -155,7 +155,6 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         data,
         distributed,
         draft_init,
-        losses,
         models,
         preflight,
         prompt_gen,
@@ -271,7 +270,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                 train_prompts, rollout_draft, accelerator=accelerator, batch_size=recipe.train.batch_size
             )
         if accelerator.is_main_process and made:
-            print(f"data: {made} target continuations in {timer.elapsed_s:.1f} s (on the training clock)")
+            print(f"data: {made} target continuations in {timer.elapsed_s:.2f} s (on the training clock)")
 
     def evaluate_and_save(step: int, loss: float | None, train_s: float) -> None:
         """The checkpoint of `step` (`train_s` training seconds in): evaluated on the main process, then saved
@@ -307,7 +306,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
             with timer.running():
                 t0 = time.perf_counter()
                 gen_s, n_tokens, batch_tokens, loss_sum, agree_sum = 0.0, 0, 0, 0.0, 0.0
-                teacher_rows_computed = 0
+                teacher_forwards = 0
                 clock_before_s = clock.elapsed_s
                 for micro in range(recipe.train.grad_accum):
                     idx = batch_indices(step, micro, recipe.train, len(train_prompts), rank, world)
@@ -329,41 +328,10 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                     )  # fmt: skip
                     with accelerator.accumulate(draft):
                         student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                        if teachers is not None:  # top-k rows kept from an earlier epoch; the target runs on the rest
-                            top_ids, log_pt, computed = teacher_cache.teacher_rows(
-                                teachers,
-                                [teacher_cache.sequence_key(p, c) for p, c in pairs],
-                                batch,
-                                target,
-                                keep=source.last_source != "draft",
-                                vocab_size=vocab_size,
-                            )
-                            teacher_rows_computed += computed
-                            loss = losses.distill_loss_top_k(
-                                student,
-                                batch["loss_mask"],
-                                top_ids,
-                                log_pt,
-                                loss=recipe.distill.loss,
-                                beta=recipe.distill.beta,
-                                temperature=recipe.distill.temperature,
-                                vocab_size=vocab_size,
-                            )
-                        else:
-                            with torch.no_grad():
-                                teacher = target(
-                                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-                                ).logits
-                            loss = losses.distill_loss(
-                                student,
-                                teacher,
-                                batch["loss_mask"],
-                                loss=recipe.distill.loss,
-                                beta=recipe.distill.beta,
-                                temperature=recipe.distill.temperature,
-                                top_k=recipe.distill.top_k,
-                                vocab_size=vocab_size,
-                            )
+                        loss, agreement, scored = step_loss(
+                            student, batch, pairs, target, recipe, vocab_size, teachers, source.last_source == "draft"
+                        )
+                        teacher_forwards += scored
                         check_finite(accelerator, loss, step, ckpt_root)
                         accelerator.backward(loss)
                         if accelerator.sync_gradients and recipe.train.max_grad_norm > 0:
@@ -373,12 +341,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                     n_tokens += int(batch["loss_mask"].sum())
                     batch_tokens += int(batch["attention_mask"].sum())
                     loss_sum += float(loss.detach())
-                    detached = student.detach()
-                    agree_sum += float(
-                        teacher_cache.top1_agreement_top_k(detached, batch["loss_mask"], top_ids, vocab_size)
-                        if teachers is not None
-                        else losses.top1_agreement(detached, teacher, batch["loss_mask"], vocab_size=vocab_size)
-                    )
+                    agree_sum += agreement
                 clock.elapsed_s = shared_elapsed_s(accelerator, timer)
                 scheduler.step()  # once per optimizer step, on every process alike
                 step += 1
@@ -401,7 +364,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                         **(
                             {
                                 # sequences of this step the target had to score (the rest came from the cache)
-                                "train/teacher_forwards": teacher_rows_computed,
+                                "train/teacher_forwards": teacher_forwards,
                                 "train/teacher_cache_gb": teachers.nbytes / 1e9,
                             }
                             if teachers is not None
@@ -545,6 +508,43 @@ def check_finite(accelerator, loss: torch.Tensor, step: int, ckpt_root: Path) ->
             f"loss is {what} at step {step + 1}; last good checkpoint: {last_good(ckpt_root)}. "
             "Lower train.lr or check the data, then rerun with --resume"
         )
+
+
+def step_loss(
+    student: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    pairs: list,
+    target: torch.nn.Module,
+    recipe: Recipe,
+    vocab_size: int | None,
+    teachers,
+    on_policy: bool,
+) -> tuple[torch.Tensor, float, int]:
+    """The recipe's divergence on one micro-batch, the draft's top-1 agreement with the target there, and how many
+    of its sequences the target scored: all of them, unless `teachers` (distill.cache_teacher) kept their top-k
+    rows from an earlier epoch; on-policy sequences are scored but not kept (they never come back)."""
+    from distill import losses, teacher_cache
+
+    cfg, mask = recipe.distill, batch["loss_mask"]
+    if teachers is None:
+        with torch.no_grad():
+            teacher = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = losses.distill_loss(
+            student, teacher, mask, loss=cfg.loss, beta=cfg.beta, temperature=cfg.temperature, top_k=cfg.top_k,
+            vocab_size=vocab_size,
+        )  # fmt: skip
+        agreement = losses.top1_agreement(student.detach(), teacher, mask, vocab_size=vocab_size)
+        return loss, float(agreement), len(pairs)
+    keys = [teacher_cache.sequence_key(p, c) for p, c in pairs]
+    top_ids, log_pt, scored = teacher_cache.teacher_rows(
+        teachers, keys, batch, target, keep=not on_policy, vocab_size=vocab_size
+    )
+    loss = losses.distill_loss_top_k(
+        student, mask, top_ids, log_pt, loss=cfg.loss, beta=cfg.beta, temperature=cfg.temperature,
+        vocab_size=vocab_size,
+    )  # fmt: skip
+    agreement = teacher_cache.top1_agreement_top_k(student.detach(), mask, top_ids, vocab_size)
+    return loss, float(agreement), scored
 
 
 def shared_elapsed_s(accelerator, timer: Timer) -> float:
