@@ -1,5 +1,5 @@
-"""Child-process helpers: train/distill.py in a fresh process, and the /proc reads of the tests that stop a run
-and check nothing it started outlives it (Linux)."""
+"""Child-process helpers: train/distill.py in a fresh process (and a tiny recipe for it), and the /proc reads of
+the tests that stop a run and check nothing it started outlives it (Linux)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,25 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 HAS_PROC = Path("/proc/self/task").is_dir()
+
+
+def tiny_recipe(paths: dict, out: Path, distill: dict, train: dict, **sections: dict) -> dict:
+    """A train/distill.py recipe for a tiny saved pair: `paths` has target, draft, train and eval (prompt files).
+    FKL, lr 1e-3, one warm-up step, no evaluation but step 0's, a log line every step; `distill`, `train` and
+    any other section given update those defaults."""
+    recipe = {
+        "target": {"model": str(paths["target"]), "dtype": "float32"},
+        "draft": {"model": str(paths["draft"]), "dtype": "float32"},
+        "data": {"train_prompts": str(paths["train"]), "eval_prompts": str(paths["eval"]), "max_prompt_tokens": 32},
+        "distill": {"loss": "fkl", **distill},
+        "train": {"lr": 1e-3, "warmup_steps": 1, **train},
+        "eval": {"every": 100_000, "num_prompts": 1, "max_new_tokens": 8, "repeats": 1, "hf_assisted": False},
+        "log": {"report_to": "none", "every": 1},
+        "output_dir": str(out),
+    }
+    for name, values in sections.items():
+        recipe[name].update(values)
+    return recipe
 
 
 def child_pids(pid: int) -> list[int]:

@@ -15,7 +15,7 @@ from distill import rollouts
 from distill.config import DistillConfig, RecipeError, TrainConfig, load_recipe
 from distill.schedule import TrainClock, budget_progress, build_budget_scheduler, lr_multiplier
 from distill.training import lr_factor
-from tests.procs import run_distill
+from tests.procs import run_distill, tiny_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_RECIPES = sorted((REPO / "recipes").glob("stdlib-*.yaml"))
@@ -196,24 +196,10 @@ def test_rollout_source_schedule_gives_target_then_draft_rollouts(pair, tmp_path
 # ---------------------------------------------------------------- end to end
 
 
-def _tiny_run(pair: dict, out: Path, distill: dict, train: dict) -> dict:
-    """A recipe for the tiny pair: FKL, lr 1e-3, one warm-up step, no evaluation but step 0's, logs every step."""
-    return {
-        "target": {"model": str(pair["target"]), "dtype": "float32"},
-        "draft": {"model": str(pair["draft"]), "dtype": "float32"},
-        "data": {"train_prompts": str(pair["train"]), "eval_prompts": str(pair["eval"]), "max_prompt_tokens": 32},
-        "distill": {"loss": "fkl", **distill},
-        "train": {"lr": 1e-3, "warmup_steps": 1, **train},
-        "eval": {"every": 100_000, "num_prompts": 1, "max_new_tokens": 8, "repeats": 1, "hf_assisted": False},
-        "log": {"report_to": "none", "every": 1},
-        "output_dir": str(out),
-    }
-
-
 @pytest.mark.slow
 def test_time_budgeted_run_switches_source_and_ends_its_lr_decay(pair, tmp_path):
     out = tmp_path / "run"
-    recipe = _tiny_run(
+    recipe = tiny_recipe(
         pair,
         out,
         {"source": "schedule", "switch_at": 0.5, "max_new_tokens": 8},
@@ -236,7 +222,7 @@ def test_pregenerated_target_continuations_count_against_the_training_clock(pair
     # 24 prompts x 24 tokens generated up front, then steps of one cached sequence: off the clock, the first
     # step's clock would be that one short step; on it, the clock starts at the pregeneration's seconds
     out = tmp_path / "run"
-    recipe = _tiny_run(
+    recipe = tiny_recipe(
         pair,
         out,
         {"source": "target", "max_new_tokens": 24, "num_draft_tokens": 0},

@@ -11,7 +11,7 @@ from distill import losses
 from distill.config import RecipeError, load_recipe
 from distill.data import collate_training
 from distill.teacher_cache import TeacherCache, sequence_key, teacher_rows, top1_agreement_top_k
-from tests.procs import run_distill
+from tests.procs import run_distill, tiny_recipe
 from tests.tiny import tiny_llama
 
 V = 40
@@ -105,20 +105,18 @@ def test_a_run_scores_each_sequence_once_then_trains_from_the_cache(tmp_path):
 
     target, draft = make_pair(tmp_path / "pair")
     out = tmp_path / "run"
-    recipe = {
-        "target": {"model": str(target), "dtype": "float32"},
-        "draft": {"model": str(draft), "dtype": "float32"},
-        "data": {
-            "train_prompts": str(make_prompts(tmp_path / "train.jsonl", 8, seed=1)),
-            "eval_prompts": str(make_prompts(tmp_path / "eval.jsonl", 2, seed=2)),
-            "max_prompt_tokens": 32,
-        },
-        "distill": {"loss": "fkl", "source": "target", "max_new_tokens": 8, "top_k": 8, "cache_teacher": True},
-        "train": {"lr": 1e-3, "warmup_steps": 1, "max_steps": 12, "batch_size": 4},
-        "eval": {"every": 100_000, "num_prompts": 1, "max_new_tokens": 8, "repeats": 1, "hf_assisted": False},
-        "log": {"report_to": "none", "every": 1},
-        "output_dir": str(out),
+    paths = {
+        "target": target,
+        "draft": draft,
+        "train": make_prompts(tmp_path / "train.jsonl", 8, seed=1),
+        "eval": make_prompts(tmp_path / "eval.jsonl", 2, seed=2),
     }
+    recipe = tiny_recipe(
+        paths,
+        out,
+        {"source": "target", "max_new_tokens": 8, "top_k": 8, "cache_teacher": True},
+        {"max_steps": 12, "batch_size": 4},
+    )
     proc = run_distill(recipe, tmp_path, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
