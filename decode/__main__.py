@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the draft's dtype (default: --dtype). On CPU a float32 draft runs its linear layers on transposed "
         "weight copies and can be faster than bf16: the output is the target's either way",
     )  # fmt: skip
+    b.add_argument(
+        "--draft-vocab", default="auto",
+        help="token ids draftsmith's loop drafts from: auto (the draft folder's draft_vocab.json if it has one, "
+        "else all), full, or a draft_vocab.json file; HF assisted generation always uses the full head",
+    )  # fmt: skip
     b.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument(
@@ -107,6 +112,19 @@ def _load(path: str, dtype, device, key: str):
     from decode import sources
 
     return sources.load_model(path, key=key, dtype=dtype).to(device).eval()  # a .gguf file is dequantized
+
+
+def draft_vocab_ids(value: str, draft: str) -> list[int] | None:
+    """``--draft-vocab``: the ids to draft from, or None for the whole vocabulary."""
+    from decode.draft_vocab import load_ids
+
+    if value == "full":
+        return None
+    if value == "auto":
+        return load_ids(draft) if Path(draft).is_dir() else None
+    if not Path(value).is_file():
+        raise ValueError(f"--draft-vocab {value!r}: no such file; give auto, full or a draft_vocab.json file")
+    return load_ids(value)
 
 
 def check_inputs(args: argparse.Namespace) -> tuple[Any, Any, list[dict]]:
@@ -172,6 +190,7 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
     from decode.compat import check_vocab_compatible
 
     target_tok, draft_tok, prompts = check_inputs(args)
+    draft_vocab = draft_vocab_ids(args.draft_vocab, args.draft)
     device = (
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if args.device == "auto"
@@ -189,6 +208,7 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size, repeats=args.repeats, seed=args.seed,
         baselines=args.baselines, samples_out=args.samples_out, progress=not args.no_progress,
+        draft_vocab=draft_vocab,
     )  # fmt: skip
     return result
 
@@ -200,6 +220,8 @@ def bench_vllm(args: argparse.Namespace) -> dict:
     from decode.prompts import load_prompts
     from decode.vllm_engine import run_vllm_bench
 
+    if args.draft_vocab not in ("auto", "full"):
+        raise ValueError("--engine vllm runs the draft with its full output layer: drop --draft-vocab")
     if args.device != "auto":
         raise ValueError("--engine vllm runs on the device of the installed vLLM build: drop --device")
     if args.draft_dtype and args.draft_dtype != (args.dtype or args.draft_dtype):

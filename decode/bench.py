@@ -42,6 +42,7 @@ from transformers import GenerationConfig
 from decode import kernels
 from decode.compat import check_context, check_vocab_compatible
 from decode.draft_length import AutoDraftLength
+from decode.draft_vocab import with_subset_head
 from decode.metrics import (
     ForwardCostMeter,
     acceptance_metrics,
@@ -130,8 +131,11 @@ class _Runner:
     ``assistant``: the assistant settings of each HF assisted method (set once gamma is known).
     """
 
-    def __init__(self, target, draft, *, max_new_tokens, temperature, top_k, top_p, controller, eos, pad_id, vocab):
+    def __init__(
+        self, target, draft, *, max_new_tokens, temperature, top_k, top_p, controller, eos, pad_id, vocab, spec_draft
+    ):
         self.target, self.draft = target, draft
+        self.spec_draft = spec_draft  # the draft of draftsmith's loop (with its draft vocabulary, if any)
         self.vocab = vocab  # the shared width: both of draftsmith's loops choose among the same tokens
         self.max_new, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
         self.controller = controller
@@ -169,7 +173,7 @@ class _Runner:
         stats = None
         if method == "speculative":
             out = speculative_generate(
-                self.target, self.draft, ids, mask, max_new_tokens=self.max_new, num_draft_tokens=self.controller,
+                self.target, self.spec_draft, ids, mask, max_new_tokens=self.max_new, num_draft_tokens=self.controller,
                 temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, eos_token_id=eos, generator=gen,
                 vocab=self.vocab,
             )  # fmt: skip
@@ -281,6 +285,7 @@ def run_bench(
     baselines: Sequence[str] = ("target", "hf"),
     samples_out: str | Path | None = None,
     progress: bool = True,
+    draft_vocab: Sequence[int] | None = None,
 ) -> dict:
     """Time the speculative decoder against its baselines on already-loaded models; return the bench JSON dict.
 
@@ -289,6 +294,8 @@ def run_bench(
         baselines: any of ``"target"`` (own loop and ``model.generate``; the faster counts) and ``"hf"``
             (``generate(assistant_model=draft)``, batch 1 only).
         samples_out: JSONL path; one line per prompt and method with the first timed repeat's tokens and text.
+        draft_vocab: token ids draftsmith's loop drafts from (``decode.draft_vocab``); None: the whole vocabulary.
+            HF assisted generation always runs the draft as published, with its full head.
 
     Returns:
         The bench JSON dict (docs/bench.md), detail keys included (per-method rates, forward times, protocol).
@@ -307,9 +314,10 @@ def run_bench(
     batches = make_batches(encoded, batch_size, pad_id)
     # One draft-length object for the whole bench: auto's calibration carries over from prompt to prompt.
     controller = _draft_length(num_draft_tokens, None)
+    spec_draft = with_subset_head(draft, draft_vocab)
     runner = _Runner(
         target, draft, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        controller=controller, eos=eos, pad_id=pad_id, vocab=vocab,
+        controller=controller, eos=eos, pad_id=pad_id, vocab=vocab, spec_draft=spec_draft,
     )  # fmt: skip
 
     load_start = _load_avg()
@@ -326,7 +334,7 @@ def run_bench(
     for method in methods[1:]:
         runner.run(method, *batches[0], seed=seed)
     # c and v: standalone forwards sampled between the timed runs, so they see the same machine state.
-    meter = ForwardCostMeter(target, draft, *batches[0])
+    meter = ForwardCostMeter(target, spec_draft, *batches[0])
     verify_sizes = _verify_sizes(controller)
 
     times = {m: {b: [] for b in range(len(batches))} for m in methods}
@@ -396,6 +404,7 @@ def run_bench(
             num_draft_tokens,
         ),  # fmt: skip
         **acceptance_metrics(spec_stats),
+        "draft_vocab_size": len(set(draft_vocab)) if draft_vocab is not None else None,
         "draft_cost_ratio": c,
         "verify_cost_ratio": v,
         "leviathan_bound": leviathan_bound(solve_acceptance(tau, gamma), gamma, c),

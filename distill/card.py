@@ -167,6 +167,12 @@ def _figures(info: dict) -> list[str]:
         f"- hardware: {info['hardware']}",
         f"- `generation_config.json` (what HF assisted generation reads): {_assistant_line(info)}",
     ]
+    if best.get("draft_vocab_size"):
+        lines.append(
+            f"- draftsmith's decoder drafted from the {best['draft_vocab_size']} tokens of `draft_vocab.json` (the "
+            "target's most frequent; lossless: the target verifies over its whole vocabulary). The model keeps its "
+            "full output layer, which HF assisted generation, vLLM and SGLang use: their drafts cost more per token"
+        )
     settings = best.get("hf_assisted_settings")
     if isinstance(settings, dict):
         for which in ("defaults", "published"):

@@ -94,9 +94,15 @@ class DraftConfig(ModelConfig):
         "pretrained", "pretrained: load draft.model; truncate: the target's embeddings, first init_layers layers, head"
     )
     init_layers: int = _f(2, "init=truncate: decoder layers kept from the target")
+    vocab_subset: int = _f(
+        0,
+        "draftsmith's decoder drafts from the N tokens the target writes most often (draft_vocab.json in every "
+        "checkpoint); the checkpoint keeps its full head for HF/vLLM/SGLang. 0: the whole vocabulary",
+    )
 
     def __post_init__(self) -> None:
         _check(self.init_layers > 0, "draft.init_layers", f"must be > 0, got {self.init_layers}")
+        _check(self.vocab_subset >= 0, "draft.vocab_subset", f"must be >= 0 (0: all tokens), got {self.vocab_subset}")
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from decode.draft_vocab import FILE as DRAFT_VOCAB
 from distill.card import engine_of, render_model_card
 from distill.draft_folder import (
     assistant_settings,
@@ -304,6 +305,7 @@ def remeasure(folder: Path, src: PublishSource, repo_id: str, reason: str, promp
     from transformers import AutoModelForCausalLM
 
     from decode.bench import run_bench
+    from decode.draft_vocab import load_ids
     from distill import models
     from distill.config import load_recipe
 
@@ -335,6 +337,7 @@ def remeasure(folder: Path, src: PublishSource, repo_id: str, reason: str, promp
         seed=recipe.train.seed,
         baselines=("target", "hf") if hf else ("target",),
         progress=False,
+        draft_vocab=load_ids(folder),  # the run's draft vocabulary, copied beside the weights
     )
     result.setdefault("engine", "draftsmith")
     result["hardware"] = local_hardware()
@@ -497,6 +500,8 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
     model.generation_config = generation_config_for(model, target_gen, assistant)
     model.save_pretrained(dest)
     del model
+    if (src.model_dir / DRAFT_VOCAB).is_file():  # draftsmith's decoder reads it; HF, vLLM and SGLang ignore it
+        shutil.copy2(src.model_dir / DRAFT_VOCAB, dest / DRAFT_VOCAB)
     tokenizer_from = copy_tokenizer(target, src, dest, trust, notes)
     n_tokens = len(AutoTokenizer.from_pretrained(dest, trust_remote_code=trust))
     if n_tokens > vocab:

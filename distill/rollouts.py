@@ -239,6 +239,10 @@ class RolloutCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def completions(self) -> list[list[int]]:
+        """Every cached continuation (all processes' files, as of the last reload)."""
+        return list(self._entries.values())
+
 
 # ---------------------------------------------------------------- choosing and making rollouts
 

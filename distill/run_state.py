@@ -86,6 +86,7 @@ class RunState:
         self.recipe = recipe
         self.history: list[dict] = []  # CheckpointInfo.as_dict() rows, one per evaluated step
         self.train_s = 0.0  # training wall-clock seconds so far (evaluation and saving excluded)
+        self.draft_vocab: tuple[list[int], int, str] | None = None  # draft.vocab_subset: (ids, vocab, source)
 
     # ---- start
 
@@ -129,6 +130,11 @@ class RunState:
         from distill import models
 
         models.save_draft(draft, tmp, tokenizer)
+        if self.draft_vocab is not None:
+            from decode.draft_vocab import save_ids
+
+            ids, vocab, source = self.draft_vocab
+            save_ids(tmp, ids, vocab=vocab, source=source)
         write_json_atomic(tmp / "eval.json", result)
         if step == 0:
             write_json_atomic(self.out / "base_eval.json", result)  # step-0 may be pruned; report.json needs it

@@ -129,6 +129,7 @@ def evaluate(
     prompts: Sequence[dict],
     recipe: Recipe,
     samples_out: Path | None = None,
+    draft_vocab: Sequence[int] | None = None,
 ) -> dict:
     """Bench the draft against the target on the eval prompts (the bench JSON of docs/bench.md).
 
@@ -165,6 +166,7 @@ def evaluate(
             baselines=("target", "hf") if hf else ("target",),
             samples_out=samples_out,
             progress=True,
+            draft_vocab=draft_vocab,
         )
     finally:
         draft.train(was_training)

@@ -328,6 +328,10 @@ def test_card_front_matter_with_hub_ids():
     assert "--speculative-num-steps 5 --speculative-eagle-topk 1 --speculative-num-draft-tokens 6" in card
     assert "base draft |" not in card and "| this draft (step 300) |" in card  # no base figures: one column
     assert "| 0.654 |" in card
+    assert "draft_vocab.json" not in card
+    info["best"] = {**info["best"], "draft_vocab_size": 8192}
+    card = pub.render_model_card(info, "me/gemma-2-2b-it-draft")
+    assert "drafted from the 8192 tokens of `draft_vocab.json`" in card
 
 
 @pytest.mark.parametrize(

@@ -272,6 +272,15 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         if accelerator.is_main_process and made:
             print(f"data: {made} target continuations in {timer.elapsed_s:.2f} s (on the training clock)")
 
+    draft_vocab = None
+    if recipe.draft.vocab_subset:
+        cached = source.cache.completions() if source.cache is not None else []
+        size = recipe.draft.vocab_subset
+        draft_vocab, where = draft_vocabulary(size, train_prompts, cached, vocab_size, source.eos_token_id)
+        state.draft_vocab = (draft_vocab, vocab_size, where)
+        if accelerator.is_main_process:
+            print(f"draft vocabulary: the {len(draft_vocab)} of {vocab_size} tokens most frequent in the {where}")
+
     def evaluate_and_save(step: int, loss: float | None, train_s: float) -> None:
         """The checkpoint of `step` (`train_s` training seconds in): evaluated on the main process, then saved
         by every process."""
@@ -284,7 +293,9 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
             tmp = state.tmp_dir(step)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            result = evaluate_checkpoint(full, target, tokenizer, eval_rows, recipe, tmp / "samples.jsonl")
+            result = evaluate_checkpoint(
+                full, target, tokenizer, eval_rows, recipe, tmp / "samples.jsonl", draft_vocab=draft_vocab
+            )
             result.update(train_loss=loss, step=step, train_minutes=train_s / 60.0)
             log_evaluation(metrics, result, eval_rows, step, tmp)
         save_checkpoint(accelerator, state, full, tokenizer, step, result)
@@ -414,15 +425,34 @@ def evaluate_checkpoint(
     eval_rows: list[dict],
     recipe: Recipe,
     samples_out: Path,
+    draft_vocab: list[int] | None = None,
 ) -> dict:
     """The bench JSON of the draft as it is now (main process), timed `eval.repeats` times. It carries the
     95% interval on the speedup (`speedup.vs_target_ci95`, null where the bench cannot give one), which best
     selection uses to tell progress from timing noise."""
     from distill.training import evaluate
 
-    result = evaluate(target, draft, tokenizer, eval_rows, recipe, samples_out=samples_out)
+    result = evaluate(target, draft, tokenizer, eval_rows, recipe, samples_out=samples_out, draft_vocab=draft_vocab)
     result["speedup"].setdefault("vs_target_ci95", None)
     return result
+
+
+def draft_vocabulary(
+    size: int, examples: list, continuations: list[list[int]], vocab: int, always: list[int]
+) -> tuple[list[int], str]:
+    """draft.vocab_subset: the `size` ids most frequent in the text the draft will draft, and where they came from.
+
+    That text is the target's continuations when the run has them before its first step (source target/mix with
+    the cache, or a fixed dataset's completions), else the training prompts; EOS ids are always in.
+    """
+    from decode.draft_vocab import frequent_ids
+
+    fixed = [e.completion_ids for e in examples if e.completion_ids]
+    if continuations or fixed:
+        lists, where = continuations + fixed, f"{len(continuations) + len(fixed)} training continuations"
+    else:
+        lists, where = [e.prompt_ids for e in examples], f"{len(examples)} training prompts"
+    return frequent_ids(lists, size, always=always, vocab=vocab), where
 
 
 def log_evaluation(metrics: MetricsLog, result: dict, eval_rows: list[dict], step: int, directory: Path) -> None:

@@ -1,0 +1,138 @@
+"""A draft that proposes from part of the vocabulary (decode.draft_vocab): still lossless, and what it reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from decode.__main__ import draft_vocab_ids
+from decode.draft_vocab import FILE, SubsetHead, frequent_ids, load_ids, save_ids, with_subset_head
+from decode.sampling import process_logits
+from decode.speculative import speculative_generate, target_generate
+from tests.decode_helpers import bigram_lm, bigram_sequence_probs
+from tests.test_decode_sampling import ALPHA, FIRST, NEW, ROWS, _chi_square_p_value, _tables
+from tests.tiny import tiny_llama
+
+
+def test_frequent_ids_counts_ties_always_and_fills():
+    lists = [[5, 5, 5, 7, 7, 9], [7, 3, 3]]  # 7: 3, 5: 3, 3: 2, 9: 1
+    assert frequent_ids(lists, 2, vocab=12) == [5, 7]  # the tie 5/7 by count, both kept
+    assert frequent_ids(lists, 3, vocab=12) == [3, 5, 7]
+    assert frequent_ids(lists, 3, always=[11], vocab=12) == [5, 7, 11]  # always first, then the most frequent
+    assert frequent_ids(lists, 6, vocab=12) == [0, 1, 3, 5, 7, 9]  # unseen ids fill in id order
+    assert frequent_ids(lists, 50, vocab=12) == list(range(12))
+    with pytest.raises(ValueError, match="at least one token"):
+        frequent_ids(lists, 0, vocab=12)
+
+
+def test_ids_file_round_trip_and_errors(tmp_path):
+    assert load_ids(tmp_path) is None  # a checkpoint without one: the whole vocabulary
+    save_ids(tmp_path, [1, 4, 9], vocab=16, source="test")
+    assert load_ids(tmp_path) == [1, 4, 9] == load_ids(tmp_path / FILE)
+    assert json.loads((tmp_path / FILE).read_text())["size"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == [FILE]  # no temp file left
+    (tmp_path / FILE).write_text('{"ids": []}')
+    with pytest.raises(ValueError, match="non-empty list"):
+        load_ids(tmp_path)
+    (tmp_path / FILE).write_text("not json")
+    with pytest.raises(ValueError, match="not a draft vocabulary file"):
+        load_ids(tmp_path)
+
+
+def test_cli_value(tmp_path):
+    assert draft_vocab_ids("full", str(tmp_path)) is None
+    assert draft_vocab_ids("auto", str(tmp_path)) is None
+    save_ids(tmp_path, [2, 3], vocab=8, source="test")
+    assert draft_vocab_ids("auto", str(tmp_path)) == [2, 3]
+    assert draft_vocab_ids("full", str(tmp_path)) is None
+    assert draft_vocab_ids(str(tmp_path / FILE), "some/hub-id") == [2, 3]
+    with pytest.raises(ValueError, match="no such file"):
+        draft_vocab_ids(str(tmp_path / "missing.json"), str(tmp_path))
+
+
+def test_subset_head_scores_only_its_rows_and_leaves_the_model_alone():
+    model = tiny_llama(64, tie=True)
+    ids = [0, 3, 10, 11, 40]
+    view = with_subset_head(model, ids)
+    x = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        full, part = model(x).logits, view(x).logits
+    assert torch.equal(part[..., ids], full[..., ids])
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(part[..., outside]).all()
+    assert isinstance(view.get_output_embeddings(), SubsetHead)
+    assert not isinstance(model.get_output_embeddings(), SubsetHead)  # the original keeps its full head
+    assert view.model is model.model  # the same layers, not a copy
+    assert with_subset_head(model, None) is model
+    with pytest.raises(ValueError, match="outside the draft's 64-token head"):
+        with_subset_head(model, [3, 64])
+
+
+def test_greedy_with_a_subset_draft_equals_target_greedy():
+    target = tiny_llama(64, seed=0)
+    draft = with_subset_head(tiny_llama(64, seed=1), list(range(0, 64, 2)))
+    prompt = torch.tensor([[1, 7, 3, 9]])
+    want = target_generate(target, prompt, max_new_tokens=24, eos_token_id=[]).new_tokens
+    got = speculative_generate(target, draft, prompt, max_new_tokens=24, num_draft_tokens=3, eos_token_id=[])
+    assert got.new_tokens == want
+    assert any(t % 2 for t in want[0])  # the target wrote tokens the draft cannot propose
+
+
+def test_sampling_with_a_subset_draft_follows_the_target():
+    # What SubsetHead gives a sampler: the draft's logits are -inf outside its ids, so q is 0 there.
+    target_table, draft_table = _tables()
+    draft_table = draft_table.clone()
+    draft_table[:, [0, 2]] = float("-inf")
+    out = speculative_generate(
+        bigram_lm(target_table), bigram_lm(draft_table), torch.full((ROWS, 1), FIRST), max_new_tokens=NEW,
+        num_draft_tokens=2, temperature=1.0, eos_token_id=[], generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    expected = bigram_sequence_probs(target_table, FIRST, NEW, lambda x: process_logits(x, 1.0))
+    assert _chi_square_p_value(out.new_tokens, expected) > ALPHA
+    assert any(t in (0, 2) for seq in out.new_tokens for t in seq)  # tokens the draft never proposes still occur
+
+
+def test_draft_vocabulary_counts_continuations_else_prompts():
+    from distill.data import Example
+    from train.distill import draft_vocabulary
+
+    examples = [Example(0, [1, 1, 1, 2]), Example(1, [1, 3])]
+    ids, where = draft_vocabulary(2, examples, [], vocab=10, always=[9])
+    assert ids == [1, 9] and where == "2 training prompts"
+    ids, where = draft_vocabulary(3, examples, [[4, 4, 5], [5, 5]], vocab=10, always=[9])
+    assert ids == [4, 5, 9] and where == "2 training continuations"
+
+
+@pytest.mark.slow
+def test_a_run_drafts_from_its_vocabulary_and_saves_it(tmp_path):
+    """draft.vocab_subset: every evaluation drafts from the ids, every checkpoint (best/ too) carries them, and the
+    bench reads them from best/ by default."""
+    from tests.procs import run_distill, tiny_recipe
+    from tests.tiny import make_pair, make_prompts
+
+    target, draft = make_pair(tmp_path / "pair")
+    out = tmp_path / "run"
+    paths = {
+        "target": target,
+        "draft": draft,
+        "train": make_prompts(tmp_path / "train.jsonl", 8, seed=1),
+        "eval": make_prompts(tmp_path / "eval.jsonl", 2, seed=2),
+    }
+    recipe = tiny_recipe(
+        paths, out, {"source": "target", "max_new_tokens": 8}, {"max_steps": 2, "batch_size": 4},
+        draft={"vocab_subset": 40},
+    )  # fmt: skip
+    proc = run_distill(recipe, tmp_path, OMP_NUM_THREADS="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "draft vocabulary: the 40 of" in proc.stdout and "8 training continuations" in proc.stdout
+    ids = load_ids(out / "best")
+    assert len(ids) == 40 and ids == load_ids(out / "checkpoints" / "step-2")
+    for step in (0, 2):
+        result = json.loads((out / "checkpoints" / f"step-{step}" / "eval.json").read_text())
+        assert result["draft_vocab_size"] == 40
+    # the checkpoint itself keeps its full head
+    config = json.loads((out / "best" / "config.json").read_text())
+    assert config["vocab_size"] > 40
