@@ -34,6 +34,19 @@ def tiny_recipe(paths: dict, out: Path, distill: dict, train: dict, **sections: 
     return recipe
 
 
+def tiny_run_paths(root: Path, train_prompts: int = 8) -> dict:
+    """A tiny saved pair and its prompt files under `root`: the `paths` of :func:`tiny_recipe`."""
+    from tests.tiny import make_pair, make_prompts
+
+    target, draft = make_pair(root / "pair")
+    return {
+        "target": target,
+        "draft": draft,
+        "train": make_prompts(root / "train.jsonl", train_prompts, seed=1),
+        "eval": make_prompts(root / "eval.jsonl", 2, seed=2),
+    }
+
+
 def child_pids(pid: int) -> list[int]:
     """The direct children of process `pid`."""
     path = Path(f"/proc/{pid}/task/{pid}/children")

@@ -110,17 +110,10 @@ def test_draft_vocabulary_counts_continuations_else_prompts():
 def test_a_run_drafts_from_its_vocabulary_and_saves_it(tmp_path):
     """draft.vocab_subset: every evaluation drafts from the ids, every checkpoint (best/ too) carries them, and the
     bench reads them from best/ by default."""
-    from tests.procs import run_distill, tiny_recipe
-    from tests.tiny import make_pair, make_prompts
+    from tests.procs import run_distill, tiny_recipe, tiny_run_paths
 
-    target, draft = make_pair(tmp_path / "pair")
     out = tmp_path / "run"
-    paths = {
-        "target": target,
-        "draft": draft,
-        "train": make_prompts(tmp_path / "train.jsonl", 8, seed=1),
-        "eval": make_prompts(tmp_path / "eval.jsonl", 2, seed=2),
-    }
+    paths = tiny_run_paths(tmp_path)
     recipe = tiny_recipe(
         paths, out, {"source": "target", "max_new_tokens": 8}, {"max_steps": 2, "batch_size": 4},
         draft={"vocab_subset": 40},

@@ -11,7 +11,7 @@ from distill import losses
 from distill.config import RecipeError, load_recipe
 from distill.data import collate_training
 from distill.teacher_cache import TeacherCache, sequence_key, teacher_rows, top1_agreement_top_k
-from tests.procs import run_distill, tiny_recipe
+from tests.procs import run_distill, tiny_recipe, tiny_run_paths
 from tests.tiny import tiny_llama
 
 V = 40
@@ -101,16 +101,8 @@ def test_cache_teacher_config_errors(overrides, match):
 @pytest.mark.slow
 def test_a_run_scores_each_sequence_once_then_trains_from_the_cache(tmp_path):
     """source=target over several epochs: the target scores every training sequence in the first epoch only."""
-    from tests.tiny import make_pair, make_prompts
-
-    target, draft = make_pair(tmp_path / "pair")
     out = tmp_path / "run"
-    paths = {
-        "target": target,
-        "draft": draft,
-        "train": make_prompts(tmp_path / "train.jsonl", 8, seed=1),
-        "eval": make_prompts(tmp_path / "eval.jsonl", 2, seed=2),
-    }
+    paths = tiny_run_paths(tmp_path)
     recipe = tiny_recipe(
         paths,
         out,

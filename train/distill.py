@@ -270,7 +270,8 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                 train_prompts, rollout_draft, accelerator=accelerator, batch_size=recipe.train.batch_size
             )
         if accelerator.is_main_process and made:
-            print(f"data: {made} target continuations in {timer.elapsed_s:.2f} s (on the training clock)")
+            total = len(source.cache) if source.cache is not None else made  # every process's, once all are done
+            print(f"data: {total} target continuations in {timer.elapsed_s:.2f} s (on the training clock)")
 
     draft_vocab = None
     if recipe.draft.vocab_subset:
