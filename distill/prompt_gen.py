@@ -34,7 +34,7 @@ PREFIX = "generate:"
 SOURCES = ("magpie", "stdlib")
 _SENTINEL = "\x00USER-TURN\x00"
 _MIN_CHARS = 12  # shorter "requests" are fragments ("Hi", "?"), not prompts worth training on
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: Magpie sampled in independently seeded shards
 
 
 def is_generated(spec: str) -> bool:
@@ -94,40 +94,70 @@ def clean_request(text: str, stops: list[str]) -> str | None:
     return text if len(text) >= _MIN_CHARS else None
 
 
+def _shard_seed(seed: int, shard: int) -> int:
+    return int.from_bytes(hashlib.sha1(f"magpie:{seed}:{shard}".encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def _magpie_shard(
+    target: torch.nn.Module, prefix: torch.Tensor, rows: int, *, max_new_tokens: int, temperature: float,
+    stop_ids: list[int], pad_token_id: int | None, seed: int,
+) -> torch.Tensor:  # fmt: skip
+    """`rows` user turns sampled after `prefix` in one batch, seeded by `seed` alone (not by earlier batches)."""
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = target.generate(
+            prefix.expand(rows, -1), attention_mask=torch.ones_like(prefix).expand(rows, -1),
+            do_sample=True, temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
+            eos_token_id=stop_ids or None, pad_token_id=pad_token_id,
+        )  # fmt: skip
+    return out[:, prefix.shape[1] :]
+
+
 def magpie_prompts(
     target: torch.nn.Module, tokenizer: Any, n: int, *, max_new_tokens: int, temperature: float, seed: int,
-    batch_size: int = 16, progress: bool = True,
+    batch_size: int = 64, progress: bool = True, accelerator: Any = None,
 ) -> list[str]:  # fmt: skip
     """Up to `n` distinct user requests sampled from `target` after its chat template's user-turn prefix.
 
-    Sampling stops after 4n attempts even if fewer than `n` distinct requests came out. `progress`: a tqdm bar
-    of the distinct requests found (sampling hundreds of them takes minutes on a CPU).
+    Requests are sampled in batches ("shards") of `batch_size`, shard i seeded by (`seed`, i) alone. With
+    `accelerator` (several processes) every process samples every world-th shard and the shards are gathered in
+    order after each round, so the result is the same for any number of processes, and sampling hundreds of
+    requests takes 1/world of the time. Sampling stops after 4n attempts even if fewer than `n` distinct
+    requests came out. `progress`: a tqdm bar of the distinct requests found (on the main process).
     """
+    rank = accelerator.process_index if accelerator is not None else 0
+    world = accelerator.num_processes if accelerator is not None else 1
+    is_main = accelerator.is_main_process if accelerator is not None else True
     prefix = tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False, return_tensors="pt")["input_ids"]
     suffix = user_turn_suffix(tokenizer)
     stops = [s for s in (suffix.split()[0] if suffix else "", tokenizer.eos_token) if s]
     stop_ids = [i for i in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(stops[0])} if isinstance(i, int)]
-    device = next(target.parameters()).device
-    prefix = prefix.to(device)
-    generator_seed = torch.Generator().manual_seed(seed)
+    prefix = prefix.to(next(target.parameters()).device)
+    shards = -(-4 * n // batch_size)  # the 4n-attempt cap, in whole shards
     found: dict[str, None] = {}
-    attempts = 0
-    bar = tqdm(total=n, desc="magpie prompts", unit="prompt", disable=not progress)
-    while len(found) < n and attempts < 4 * n:
-        rows = min(batch_size, 4 * n - attempts)
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
-        with torch.inference_mode():
-            out = target.generate(
-                prefix.expand(rows, -1), attention_mask=torch.ones_like(prefix).expand(rows, -1),
-                do_sample=True, temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-                eos_token_id=stop_ids or None, pad_token_id=tokenizer.pad_token_id,
+    bar = tqdm(total=n, desc="magpie prompts", unit="prompt", disable=not (progress and is_main))
+    first = 0
+    while len(found) < n and first < shards:
+        mine = first + rank
+        texts: list[str | None] = []
+        if mine < shards:
+            rows = min(batch_size, 4 * n - mine * batch_size)
+            sampled = _magpie_shard(
+                target, prefix, rows, max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=stop_ids,
+                pad_token_id=tokenizer.pad_token_id, seed=_shard_seed(seed, mine),
             )  # fmt: skip
-        for seq in out[:, prefix.shape[1] :]:
-            request = clean_request(tokenizer.decode(seq, skip_special_tokens=False), stops)
+            texts = [clean_request(tokenizer.decode(seq, skip_special_tokens=False), stops) for seq in sampled]
+        if world > 1:
+            from accelerate.utils import gather_object
+
+            rounds = gather_object([texts])  # one list per process, in rank order = shard order
+        else:
+            rounds = [texts]
+        for request in (t for shard in rounds for t in shard):
             if request is not None and len(found) < n and request not in found:
                 found[request] = None
                 bar.update(1)
-        attempts += rows
+        first += world
     bar.close()
     return list(found)
 
@@ -198,14 +228,17 @@ def _rows(texts: list[str], source: str) -> list[dict]:
             enumerate(texts)]  # fmt: skip
 
 
-def generate_rows(cfg: DataConfig, target: torch.nn.Module, tokenizer: Any, seed: int) -> list[dict]:
-    """Every requested source's rows, deduplicated across sources (first occurrence kept)."""
+def generate_rows(
+    cfg: DataConfig, target: torch.nn.Module, tokenizer: Any, seed: int, accelerator: Any = None
+) -> list[dict]:
+    """Every requested source's rows, deduplicated across sources (first occurrence kept). With `accelerator`,
+    every process must call it: they share the Magpie sampling and all get the same rows."""
     rows: list[dict] = []
     for name in parse_spec(cfg.train_prompts):
         if name == "magpie":
             texts = magpie_prompts(
                 target, tokenizer, cfg.generate_num_prompts, max_new_tokens=cfg.generate_max_tokens,
-                temperature=cfg.generate_temperature, seed=seed,
+                temperature=cfg.generate_temperature, seed=seed, accelerator=accelerator,
             )  # fmt: skip
         else:
             texts = stdlib_prompts(cfg.generate_num_prompts, seed)
@@ -221,22 +254,26 @@ def generate_rows(cfg: DataConfig, target: torch.nn.Module, tokenizer: Any, seed
 
 
 def cached_rows(cfg: DataConfig, target: torch.nn.Module, tokenizer: Any, *, target_name: str, cache_dir: Path,
-                seed: int) -> list[dict]:  # fmt: skip
-    """The generated rows from `cache_dir`, generating (and writing atomically) on a miss."""
+                seed: int, accelerator: Any = None) -> list[dict]:  # fmt: skip
+    """The generated rows from `cache_dir`, generating (and writing atomically, on the main process) on a miss.
+    With `accelerator`, every process must call it (see :func:`generate_rows`)."""
     parse_spec(cfg.train_prompts)
     if "magpie" in cfg.train_prompts or cfg.apply_chat_template:
         require_chat_template(tokenizer, f"data.train_prompts {cfg.train_prompts!r}")
     path = Path(cache_dir) / f"prompts-{cache_key(target_name, cfg, seed)}.jsonl"
     if path.is_file():
         return data.read_jsonl(path)
-    rows = generate_rows(cfg, target, tokenizer, seed)
+    rows = generate_rows(cfg, target, tokenizer, seed, accelerator)
     if len(rows) < 2:
         raise ValueError(
             f"data.train_prompts {cfg.train_prompts!r}: only {len(rows)} usable prompt(s) came out; "
             "raise data.generate_max_tokens or data.generate_num_prompts"
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl(rows, path)
+    if accelerator is None or accelerator.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(rows, path)
+    if accelerator is not None:
+        accelerator.wait_for_everyone()  # no process reads a cache another is still writing
     return rows
 
 
@@ -263,17 +300,27 @@ def without_overlap(train: list[dict], evals: list[dict]) -> list[dict]:
 
 
 def load_train_eval(
-    cfg: DataConfig, target: torch.nn.Module, tokenizer: Any, *, target_name: str, cache_dir: Path, seed: int
+    cfg: DataConfig,
+    target: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    target_name: str,
+    cache_dir: Path,
+    seed: int,
+    accelerator: Any = None,
 ) -> tuple[list[dict], list[dict]]:
     """(train rows, eval rows) for `data`: generated when `train_prompts` is `generate:...`, else distill.data's.
 
     Eval rows are `data.eval_prompts` when set, else the content-hash split (`data.eval_split`) of the rows;
-    training rows equal to an eval row are dropped either way. Chat rows need the target's chat template.
+    training rows equal to an eval row are dropped either way. Chat rows need the target's chat template. With
+    `accelerator` and generated prompts, every process must call it: they sample the Magpie prompts together.
     """
     if not is_generated(cfg.train_prompts):
         train, evals = data.load_train_eval(cfg)
     else:
-        rows = cached_rows(cfg, target, tokenizer, target_name=target_name, cache_dir=cache_dir, seed=seed)
+        rows = cached_rows(
+            cfg, target, tokenizer, target_name=target_name, cache_dir=cache_dir, seed=seed, accelerator=accelerator
+        )
         if cfg.eval_prompts:
             evals = data.load_rows(cfg.eval_prompts, key="data.eval_prompts", prompt_field=cfg.prompt_field)
             train = rows
@@ -283,7 +330,8 @@ def load_train_eval(
                 raise ValueError(
                     "data.eval_split is 0 with generated prompts: set data.eval_split or data.eval_prompts"
                 )
-            write_eval_file(evals, heldout_path(cfg, target_name, cache_dir, seed))
+            if accelerator is None or accelerator.is_main_process:
+                write_eval_file(evals, heldout_path(cfg, target_name, cache_dir, seed))
         if cfg.max_train_prompts:
             train = train[: cfg.max_train_prompts]
     train = without_overlap(train, evals)

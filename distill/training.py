@@ -143,6 +143,7 @@ def evaluate(
 
     was_training = draft.training
     draft.eval()
+    wrapper = _drop_autocast_wrapper(draft)  # measured as served: no training-time autocast around its forward
     served = _served_draft(draft, target)
     hf = recipe.eval.hf_assisted and recipe.eval.batch_size == 1 and not hasattr(served, "peft_config")
     try:
@@ -169,8 +170,23 @@ def evaluate(
             draft_vocab=draft_vocab,
         )
     finally:
+        if wrapper is not None:
+            draft.forward = wrapper
         draft.train(was_training)
     return result
+
+
+def _drop_autocast_wrapper(model: torch.nn.Module) -> Any:
+    """Take away accelerate's mixed-precision wrapper of `model.forward` (an instance attribute that runs the class
+    forward under autocast) and return it, for putting back; None when there is none.
+
+    A served draft runs no autocast: under it every linear layer takes PyTorch's autocast path instead of
+    draftsmith's prepacked CPU kernels (decode/kernels.py), which made a 2-layer SmolLM2 draft measure 2-4x its
+    served cost inside a bf16 training run, and the run's speedups correspondingly low.
+    """
+    if "_original_forward" not in model.__dict__ or "forward" not in model.__dict__:
+        return None
+    return model.__dict__.pop("forward")
 
 
 def _served_draft(draft: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Module:

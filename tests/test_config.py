@@ -73,6 +73,7 @@ def test_unknown_section(tmp_path):
         ("eval.num_draft_tokens=0", "positive int or 'auto'"),
         ("distill.num_draft_tokens=-1", r"int >= 0 \(0: the target alone\) or 'auto'"),
         ("train.batch_size=0", "train.batch_size: must be > 0"),
+        ("distill.pregenerate_batch_size=0", "distill.pregenerate_batch_size: must be > 0"),
         ("target.quantization.load_in_4bit=maybe", "expected true or false"),
         ("train.lr", "not key=value"),
     ],

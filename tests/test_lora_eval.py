@@ -86,3 +86,28 @@ def test_float32_lora_draft_is_served_merged_in_the_targets_dtype(pair):
             without_adapters = draft.eval()(x).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert (got.float() - without_adapters).abs().max() > 0.1  # the adapters are in the measured draft
+
+
+def test_a_mixed_precision_draft_is_measured_without_its_training_autocast(pair):
+    """accelerate's bf16 mixed precision wraps the draft's forward in autocast; evaluations measure the draft as
+    it is served (no autocast, draftsmith's CPU kernels), and training forwards keep the wrapper."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    target = load_target(ModelConfig(model=str(pair["target"]), dtype="bfloat16"), device="cpu")
+    tokenizer = load_tokenizer(str(pair["target"]))
+    draft = load_draft(ModelConfig(model=str(pair["draft"]), dtype="float32"), device="cpu")
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        inner = accelerator.unwrap_model(accelerator.prepare(draft))
+        assert "_original_forward" in inner.__dict__  # the wrapper is there to be taken away
+        autocast_seen: list[bool] = []
+        inner.model.register_forward_pre_hook(lambda m, a: autocast_seen.append(torch.is_autocast_enabled("cpu")))
+        result = evaluate(target, inner, tokenizer, pair["prompts"], recipe(pair))
+        assert result["acceptance_rate"] >= 0.0 and autocast_seen and not any(autocast_seen)
+        autocast_seen.clear()
+        inner(input_ids=torch.tensor([[1, 2, 3]]))
+        assert autocast_seen == [True]  # the training forward is wrapped again
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

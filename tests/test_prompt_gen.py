@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,6 +73,58 @@ def test_magpie_samples_distinct_user_turns(chat_pair):
     assert prompt_gen.magpie_prompts(target, tok, 12, **kw) == got  # seeded
 
 
+def _load_chat_pair(target_dir: str):
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    tok.chat_template = TEMPLATE
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval(), tok
+
+
+def _sharded_worker(target_dir: str, out: str) -> None:
+    """One of two accelerate processes: sample Magpie prompts together, through the whole cache path."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    target, tok = _load_chat_pair(target_dir)
+    cfg = DataConfig(train_prompts="generate:magpie", generate_num_prompts=40, generate_max_tokens=16, eval_split=0.2)
+    train, evals = prompt_gen.load_train_eval(
+        cfg, target, tok, target_name="tiny", cache_dir=Path(out) / "cache", seed=5, accelerator=accelerator
+    )
+    result = {"train": train, "evals": evals}
+    (Path(out) / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
+
+
+def test_magpie_shards_are_seeded_alone(chat_pair):
+    target, tok = chat_pair
+    kw = dict(max_new_tokens=16, temperature=1.0, seed=3)
+    # The shards are the same whatever follows them: a larger n extends the smaller one's list.
+    small = prompt_gen.magpie_prompts(target, tok, 8, batch_size=4, **kw)
+    assert prompt_gen.magpie_prompts(target, tok, 16, batch_size=4, **kw)[: len(small)] == small
+
+
+@pytest.mark.slow
+def test_two_processes_sample_what_one_does(tmp_path):
+    """Two real processes (gloo) split the Magpie shards and end with the rows one process makes alone, and one
+    cache file; rank 1 reads nothing half-written."""
+    import subprocess
+    import sys
+
+    from tests.test_distributed import REPO, env
+
+    target_dir, _ = make_pair(tmp_path / "pair")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [__file__, "sharded-worker", str(target_dir), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0 == rank1 and rank0["train"] and rank0["evals"]
+    target, tok = _load_chat_pair(target_dir)
+    cfg = DataConfig(train_prompts="generate:magpie", generate_num_prompts=40, generate_max_tokens=16, eval_split=0.2)
+    alone = prompt_gen.load_train_eval(cfg, target, tok, target_name="tiny", cache_dir=tmp_path / "alone", seed=5)
+    assert [rank0["train"], rank0["evals"]] == [list(alone[0]), list(alone[1])]
+    assert len(list((tmp_path / "cache").glob("prompts-*.jsonl"))) == 2  # the rows and the held-out file
+    assert not list((tmp_path / "cache").glob(".tmp-*"))
+
+
 def test_generated_rows_cached_split_and_disjoint(chat_pair, tmp_path):
     target, tok = chat_pair
     cfg = DataConfig(train_prompts="generate:magpie+stdlib", generate_num_prompts=10, generate_max_tokens=16,
@@ -125,3 +179,7 @@ def test_spec_and_keys_are_checked():
     assert prompt_gen.parse_spec("generate:stdlib+magpie") == ["stdlib", "magpie"]
     with pytest.raises(RecipeError, match="data.generate_num_prompts: must be > 0"):
         load_recipe(None, ["data.generate_num_prompts=0"])
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["sharded-worker"]:
+    _sharded_worker(*sys.argv[2:4])

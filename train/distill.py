@@ -202,11 +202,17 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     vocab_size = models.check_compatible(target, draft, tokenizer, draft_tokenizer)
 
     # ---- data
-    with accelerator.main_process_first():  # generate:magpie prompts are sampled once, by the main process
+    prompt_args = dict(
+        target_name=recipe.target.model, seed=recipe.train.seed,
+        cache_dir=Path(recipe.distill.cache_dir) if recipe.distill.cache_dir else out / "rollout_cache",
+    )  # fmt: skip
+    if prompt_gen.is_generated(recipe.data.train_prompts):  # every process samples a share of the Magpie prompts
         train_rows, eval_rows = prompt_gen.load_train_eval(
-            recipe.data, target, tokenizer, target_name=recipe.target.model, seed=recipe.train.seed,
-            cache_dir=Path(recipe.distill.cache_dir) if recipe.distill.cache_dir else out / "rollout_cache",
-        )  # fmt: skip
+            recipe.data, target, tokenizer, accelerator=accelerator, **prompt_args
+        )
+    else:
+        with accelerator.main_process_first():  # a Hub data set is downloaded once
+            train_rows, eval_rows = prompt_gen.load_train_eval(recipe.data, target, tokenizer, **prompt_args)
     context = models.context_length(target, draft)
     train_prompts = data.encode_examples(
         train_rows,
@@ -267,7 +273,10 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         # source=schedule's on-demand target phase: a run is charged for every target forward it needs
         with timer.running():
             made = source.pregenerate(
-                train_prompts, rollout_draft, accelerator=accelerator, batch_size=recipe.train.batch_size
+                train_prompts,
+                rollout_draft,
+                accelerator=accelerator,
+                batch_size=recipe.distill.pregenerate_batch_size,
             )
         if accelerator.is_main_process and made:
             total = len(source.cache) if source.cache is not None else made  # every process's, once all are done
