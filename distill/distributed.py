@@ -26,6 +26,13 @@ from torch import nn
 _SOURCES_SAMPLING_THE_DRAFT = ("draft", "mix", "schedule")
 
 
+def place(accelerator: Any) -> tuple[int, int, bool]:
+    """(this process's rank, the number of processes, whether it is the main one); (0, 1, True) without one."""
+    if accelerator is None:
+        return 0, 1, True
+    return accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+
+
 def requested_engine(env: Mapping[str, str] = os.environ) -> str | None:
     """The engine `accelerate launch` was asked for by its config ("fsdp", "deepspeed"), read from the
     environment it sets for the script; None for anything else (single process, DDP)."""

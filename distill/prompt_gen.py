@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from decode.prompts import jsonl_text, write_jsonl
 from distill import data
 from distill.config import DataConfig
+from distill.distributed import place
 
 PREFIX = "generate:"
 SOURCES = ("magpie", "stdlib")
@@ -125,9 +126,9 @@ def magpie_prompts(
     requests takes 1/world of the time. Sampling stops after 4n attempts even if fewer than `n` distinct
     requests came out. `progress`: a tqdm bar of the distinct requests found (on the main process).
     """
-    rank = accelerator.process_index if accelerator is not None else 0
-    world = accelerator.num_processes if accelerator is not None else 1
-    is_main = accelerator.is_main_process if accelerator is not None else True
+    rank, world, is_main = place(accelerator)
+    if world > 1:
+        from accelerate.utils import gather_object
     prefix = tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False, return_tensors="pt")["input_ids"]
     suffix = user_turn_suffix(tokenizer)
     stops = [s for s in (suffix.split()[0] if suffix else "", tokenizer.eos_token) if s]
@@ -148,8 +149,6 @@ def magpie_prompts(
             )  # fmt: skip
             texts = [clean_request(tokenizer.decode(seq, skip_special_tokens=False), stops) for seq in sampled]
         if world > 1:
-            from accelerate.utils import gather_object
-
             rounds = gather_object([texts])  # one list per process, in rank order = shard order
         else:
             rounds = [texts]

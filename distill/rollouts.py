@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from distill.config import DistillConfig
 from distill.data import Example, collate_prompts
+from distill.distributed import place
 
 logger = logging.getLogger(__name__)
 
@@ -363,9 +364,7 @@ def pregenerate_target_rollouts(
     Returns:
         the number of continuations this process generated.
     """
-    rank = accelerator.process_index if accelerator is not None else 0
-    world = accelerator.num_processes if accelerator is not None else 1
-    is_main = accelerator.is_main_process if accelerator is not None else True
+    rank, world, is_main = place(accelerator)
     todo = [e for e in examples if cache.get(e) is None][rank::world]
     todo.sort(key=lambda e: len(e.prompt_ids))
     generator = torch.Generator(device=_device(target)).manual_seed(seed * 65_537 + rank)

@@ -21,12 +21,16 @@ TEMPLATE = (
 SYSTEM_TEMPLATE = "{{ '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}" + TEMPLATE
 
 
-@pytest.fixture(scope="module")
-def chat_pair(tmp_path_factory):
-    target_dir, _ = make_pair(tmp_path_factory.mktemp("pair"))
+def _load_chat_pair(target_dir: str):
     tok = AutoTokenizer.from_pretrained(target_dir)
     tok.chat_template = TEMPLATE
     return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval(), tok
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    target_dir, _ = make_pair(tmp_path_factory.mktemp("pair"))
+    return _load_chat_pair(target_dir)
 
 
 def test_user_turn_prefix_and_suffix(chat_pair):
@@ -73,10 +77,8 @@ def test_magpie_samples_distinct_user_turns(chat_pair):
     assert prompt_gen.magpie_prompts(target, tok, 12, **kw) == got  # seeded
 
 
-def _load_chat_pair(target_dir: str):
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    tok.chat_template = TEMPLATE
-    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval(), tok
+# The two-process check's prompts: more than one shard of 64 attempts, so both processes sample.
+SHARDED = DataConfig(train_prompts="generate:magpie", generate_num_prompts=40, generate_max_tokens=16, eval_split=0.2)
 
 
 def _sharded_worker(target_dir: str, out: str) -> None:
@@ -85,9 +87,8 @@ def _sharded_worker(target_dir: str, out: str) -> None:
 
     accelerator = Accelerator(cpu=True)
     target, tok = _load_chat_pair(target_dir)
-    cfg = DataConfig(train_prompts="generate:magpie", generate_num_prompts=40, generate_max_tokens=16, eval_split=0.2)
     train, evals = prompt_gen.load_train_eval(
-        cfg, target, tok, target_name="tiny", cache_dir=Path(out) / "cache", seed=5, accelerator=accelerator
+        SHARDED, target, tok, target_name="tiny", cache_dir=Path(out) / "cache", seed=5, accelerator=accelerator
     )
     result = {"train": train, "evals": evals}
     (Path(out) / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
@@ -106,7 +107,6 @@ def test_two_processes_sample_what_one_does(tmp_path):
     """Two real processes (gloo) split the Magpie shards and end with the rows one process makes alone, and one
     cache file; rank 1 reads nothing half-written."""
     import subprocess
-    import sys
 
     from tests.test_distributed import REPO, env
 
@@ -118,8 +118,7 @@ def test_two_processes_sample_what_one_does(tmp_path):
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0 == rank1 and rank0["train"] and rank0["evals"]
     target, tok = _load_chat_pair(target_dir)
-    cfg = DataConfig(train_prompts="generate:magpie", generate_num_prompts=40, generate_max_tokens=16, eval_split=0.2)
-    alone = prompt_gen.load_train_eval(cfg, target, tok, target_name="tiny", cache_dir=tmp_path / "alone", seed=5)
+    alone = prompt_gen.load_train_eval(SHARDED, target, tok, target_name="tiny", cache_dir=tmp_path / "alone", seed=5)
     assert [rank0["train"], rank0["evals"]] == [list(alone[0]), list(alone[1])]
     assert len(list((tmp_path / "cache").glob("prompts-*.jsonl"))) == 2  # the rows and the held-out file
     assert not list((tmp_path / "cache").glob(".tmp-*"))
