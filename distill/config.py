@@ -155,6 +155,12 @@ class DistillConfig:
         "positions the loss covers: the completion tokens, or all (the prompt's too: the teacher's distributions "
         "on the prompt text come from the same forward passes, so more supervised tokens per step at little cost)",
     )
+    loss_vocab: Literal["full", "subset"] = _f(
+        "full",
+        "the vocabulary the draft's head and the loss cover: all tokens, or subset (the draft.vocab_subset tokens "
+        "draftsmith's decoder drafts from; needs distill.top_k: the teacher's mass elsewhere goes to its tail "
+        "bucket; far cheaper steps on a large vocabulary; the checkpoint's other head rows stay untrained)",
+    )
     completion_field: str = _f("completion", "source=fixed: the dataset field holding the completion")
     max_new_tokens: int = _f(64, "length of generated continuations")
     gen_temperature: float = _f(1.0, "sampling temperature for generated continuations")
@@ -323,6 +329,22 @@ class Recipe:
         _check(not self.target.lora.enabled, "target.lora.enabled", "the target is frozen; put LoRA on the draft")
         if self.publish.push_to_hub:
             _check(bool(self.publish.repo_id), "publish.repo_id", "set USER/NAME when publish.push_to_hub is true")
+        if self.distill.loss_vocab == "subset":
+            _check(
+                self.draft.vocab_subset > 0,
+                "distill.loss_vocab",
+                "subset trains over the draft vocabulary: set draft.vocab_subset (e.g. 8192) or loss_vocab=full",
+            )
+            _check(
+                self.distill.top_k > 0,
+                "distill.loss_vocab",
+                "subset compares against the teacher's top-k rows: set distill.top_k (e.g. 64) or loss_vocab=full",
+            )
+            _check(
+                not self.draft.lora.enabled,
+                "distill.loss_vocab",
+                "subset swaps the draft's output layer, which a LoRA draft wraps: set loss_vocab=full",
+            )
 
 
 # ---------------------------------------------------------------- pretraining (train/pretrain.py)

@@ -59,13 +59,20 @@ def check_engine(
     has_deepspeed: bool,
     zero_stage: int | None = None,
     ram_efficient_loading: bool = False,
+    subset_head: bool = False,
 ) -> None:
     """Refuse, before any model is loaded, a launch that cannot work here (one line naming the fix).
 
     Raises:
         ValueError: DeepSpeed without the package or without CUDA, ZeRO-3, FSDP with a draft that rank 0
-            could not run alone (on-policy rollouts, quantized or LoRA drafts), or FSDP's RAM-efficient loading.
+            could not run alone (on-policy rollouts, quantized or LoRA drafts), FSDP's RAM-efficient loading, or
+            either with `subset_head` (distill.loss_vocab=subset swaps the draft's output layer).
     """
+    if requested in ("deepspeed", "fsdp") and subset_head:
+        raise ValueError(
+            f"distill.loss_vocab=subset swaps the draft's output layer for each forward, which {requested}'s wrapped "
+            "parameters do not allow: set distill.loss_vocab=full, or launch with recipes/accelerate/multi_gpu.yaml"
+        )
     if requested == "deepspeed":
         if not has_deepspeed:
             raise ValueError(
@@ -117,6 +124,7 @@ def check_launch(recipe: Any, env: Mapping[str, str] = os.environ) -> str | None
         has_deepspeed=requested != "deepspeed" or deepspeed_installed(),
         zero_stage=int(stage) if stage.isdigit() else None,
         ram_efficient_loading=env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() in ("true", "1"),
+        subset_head=recipe.distill.loss_vocab == "subset",
     )
     return requested
 

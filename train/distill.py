@@ -24,6 +24,7 @@ From Python: `main(argv, on_step=callback)` calls `callback(StepReport)` after e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
@@ -160,6 +161,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         prompt_gen,
         rollouts,
         schedule,
+        subset_loss,
         teacher_cache,
     )
 
@@ -290,6 +292,13 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         state.draft_vocab = (draft_vocab, vocab_size, where)
         if accelerator.is_main_process:
             print(f"draft vocabulary: the {len(draft_vocab)} of {vocab_size} tokens most frequent in the {where}")
+    # distill.loss_vocab=subset: the draft's head and the loss cover the draft vocabulary alone
+    subset = None
+    if recipe.distill.loss_vocab == "subset":
+        subset = (
+            subset_loss.restricted(accelerator.unwrap_model(draft), draft_vocab),
+            subset_loss.index_of(draft_vocab, vocab_size, device=accelerator.device),
+        )
 
     def evaluate_and_save(step: int, loss: float | None, train_s: float) -> None:
         """The checkpoint of `step` (`train_s` training seconds in): evaluated on the main process, then saved
@@ -348,10 +357,12 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                         loss_positions=recipe.distill.loss_positions,
                     )  # fmt: skip
                     with accelerator.accumulate(draft):
-                        student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                        with training_head(accelerator.unwrap_model(draft), subset):
+                            student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
                         loss, agreement, scored = step_loss(
-                            student, batch, pairs, target, recipe, vocab_size, teachers, source.last_source == "draft"
-                        )
+                            student.logits, batch, pairs, target, recipe, vocab_size, teachers,
+                            source.last_source == "draft", position=subset[1] if subset else None,
+                        )  # fmt: skip
                         teacher_forwards += scored
                         check_finite(accelerator, loss, step, ckpt_root)
                         accelerator.backward(loss)
@@ -559,13 +570,20 @@ def step_loss(
     vocab_size: int | None,
     teachers,
     on_policy: bool,
+    position: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float, int]:
     """The recipe's divergence on one micro-batch, the draft's top-1 agreement with the target there, and how many
     of its sequences the target scored: all of them, unless `teachers` (distill.cache_teacher) kept their top-k
-    rows from an earlier epoch; on-policy sequences are scored but not kept (they never come back)."""
-    from distill import losses, teacher_cache
+    rows from an earlier epoch; on-policy sequences are scored but not kept (they never come back).
+
+    `position` (distill.loss_vocab=subset): the student's logits are over the draft vocabulary (plus its absent
+    column) and the teacher's top-k rows are mapped there (distill.subset_loss.restrict_top_k)."""
+    from distill import losses, subset_loss, teacher_cache
 
     cfg, mask = recipe.distill, batch["loss_mask"]
+    if position is not None and teachers is None:  # top-k rows computed here, not kept
+        teachers = teacher_cache.TeacherCache(cfg.top_k, cfg.temperature)
+        on_policy = True
     if teachers is None:
         with torch.no_grad():
             teacher = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -579,12 +597,23 @@ def step_loss(
     top_ids, log_pt, scored = teacher_cache.teacher_rows(
         teachers, keys, batch, target, keep=not on_policy, vocab_size=vocab_size
     )
+    width = vocab_size
+    if position is not None:
+        top_ids, log_pt = subset_loss.restrict_top_k(top_ids, log_pt, position)
+        width = None  # the restricted logits are all compared
     loss = losses.distill_loss_top_k(
         student, mask, top_ids, log_pt, loss=cfg.loss, beta=cfg.beta, temperature=cfg.temperature,
-        vocab_size=vocab_size,
+        vocab_size=width,
     )  # fmt: skip
-    agreement = teacher_cache.top1_agreement_top_k(student.detach(), mask, top_ids, vocab_size)
+    agreement = teacher_cache.top1_agreement_top_k(student.detach(), mask, top_ids, width)
     return loss, float(agreement), scored
+
+
+def training_head(model: torch.nn.Module, subset: tuple | None) -> contextlib.AbstractContextManager:
+    """distill.loss_vocab=subset: the draft's restricted head for the training forward; else nothing."""
+    from distill import subset_loss
+
+    return subset_loss.swapped_head(model, subset[0]) if subset else contextlib.nullcontext()
 
 
 def shared_elapsed_s(accelerator, timer: Timer) -> float:
