@@ -34,6 +34,7 @@ class CheckpointInfo:
     `speedup_ci95` is the bench's 95% interval on `speedup` (None when the bench gave none: the interval is
     then the point value itself). `train_minutes` is the train.max_minutes clock at that step (0 at step 0;
     None in rows written before it was recorded), so the checkpoints form a curve against training time.
+    `tau` is the mean accepted length (tokens per target pass; None in rows written before it was recorded).
     """
 
     step: int
@@ -42,6 +43,7 @@ class CheckpointInfo:
     loss: float | None
     speedup_ci95: tuple[float, float] | None = None
     train_minutes: float | None = None
+    tau: float | None = None
 
     @property
     def interval(self) -> tuple[float, float]:
@@ -56,6 +58,7 @@ class CheckpointInfo:
             "acceptance_rate": self.acceptance_rate,
             "loss": self.loss,
             "train_minutes": self.train_minutes,
+            "mean_accepted_length": self.tau,
         }
 
     @classmethod
@@ -69,6 +72,7 @@ class CheckpointInfo:
             row.get("loss"),
             tuple(ci) if ci else None,
             row.get("train_minutes"),
+            row.get("mean_accepted_length"),
         )
 
     @classmethod
@@ -81,6 +85,7 @@ class CheckpointInfo:
             loss=result.get("train_loss"),
             speedup_ci95=speedup_ci95(result),
             train_minutes=result.get("train_minutes"),
+            tau=result.get("mean_accepted_length"),
         )
 
 
@@ -237,8 +242,20 @@ def newest_checkpoint(ckpt_root: Path, require: str = "state") -> tuple[int, Pat
 
 
 def rank_key(info: CheckpointInfo) -> tuple[float, float, int]:
-    """Order for keeping the top-k: measured speedup, then acceptance, then the later step. Never the loss."""
-    return (info.speedup, info.acceptance_rate, info.step)
+    """Order for keeping the top-k: measured speedup, then acceptance (tau where known), then the later step.
+    Never the loss."""
+    return (info.speedup, info.tau if info.tau is not None else info.acceptance_rate, info.step)
+
+
+def _tokens_per_pass(challenger: CheckpointInfo, incumbent: CheckpointInfo) -> tuple[float, float]:
+    """The timing-free figure two checkpoints are compared by: tau when both have it, else the acceptance rate.
+
+    At a fixed gamma the two order checkpoints alike (tau = 1 + gamma x acceptance, but for the last rounds);
+    with `num_draft_tokens: auto` only tau does: a draft that is sure more often drafts longer and accepts a
+    smaller share of more tokens."""
+    if challenger.tau is not None and incumbent.tau is not None:
+        return challenger.tau, incumbent.tau
+    return challenger.acceptance_rate, incumbent.acceptance_rate
 
 
 def beats(challenger: CheckpointInfo, incumbent: CheckpointInfo) -> bool:
@@ -246,16 +263,17 @@ def beats(challenger: CheckpointInfo, incumbent: CheckpointInfo) -> bool:
 
     - clearly faster (its interval's lower bound above the incumbent's speedup): yes;
     - clearly slower (the incumbent's lower bound above its speedup): no;
-    - otherwise the two are within the timing noise: the higher acceptance rate wins (a property of the
-      tokens, free of timing noise), and on equal acceptance the later step.
+    - otherwise the two are within the timing noise: the more tokens per target pass win (tau, else the
+      acceptance rate: properties of the tokens, free of timing noise), and on a tie the later step.
     Without intervals (lo = hi = speedup) this is: higher speedup, then acceptance, then the later step.
     """
     if challenger.interval[0] > incumbent.speedup:
         return True
     if incumbent.interval[0] > challenger.speedup:
         return False
-    if challenger.acceptance_rate != incumbent.acceptance_rate:
-        return challenger.acceptance_rate > incumbent.acceptance_rate
+    mine, theirs = _tokens_per_pass(challenger, incumbent)
+    if mine != theirs:
+        return mine > theirs
     return challenger.step > incumbent.step
 
 

@@ -269,7 +269,7 @@ class EvalConfig:
     batch_size: int = _f(1, "eval decoding batch size")
     repeats: int = _f(3, "timing repeats per evaluation (median; their spread gives the speedup interval)")
     hf_assisted: bool = _f(True, "also time HF generate(assistant_model=draft) (batch 1) for the card's vs-HF figure")
-    keep_top_k: int = _f(2, "checkpoints kept, ranked by measured speedup (ties: acceptance)")
+    keep_top_k: int = _f(2, "checkpoints kept, ranked by measured speedup (ties: tau)")
     engine: str = _f("draftsmith", "what measures every evaluation (eval.json): draftsmith or vllm")
     extra_engines: list[str] = _f([], "engines that also measure best/ at the end (best/eval_<engine>.json)")
 

@@ -49,6 +49,19 @@ def test_a_clear_win_replaces_and_ties_go_to_acceptance():
     assert select_best([worse, within, base, clear]).step == 20
 
 
+def test_ties_go_to_tau_where_both_have_it():
+    """With num_draft_tokens=auto a draft that drafts longer accepts a smaller share of more tokens: within the
+    noise, the checkpoint with more tokens per target pass wins, whatever the acceptance rates say."""
+    early = CheckpointInfo(10, 1.08, 0.377, None, (1.00, 1.16), tau=1.43)  # the figures of a real auto run
+    later = CheckpointInfo(20, 1.13, 0.360, None, (1.05, 1.21), tau=1.63)
+    last = CheckpointInfo(30, 1.09, 0.359, None, (1.02, 1.17), tau=1.57)
+    assert beats(later, early) and not beats(last, later)
+    assert select_best([early, later, last]).step == 20
+    # rows without tau (written before it was recorded) still compare by acceptance
+    assert select_best([info(10, 1.08, (1.0, 1.16), 0.377), info(20, 1.13, (1.05, 1.21), 0.360)]).step == 10
+    assert CheckpointInfo.from_dict(later.as_dict()) == later
+
+
 def test_without_intervals_selection_is_by_point_speedup():
     infos = [info(0, 1.1, None), info(5, 1.3, None, 0.4), info(9, 1.3, None, 0.4), info(12, 1.2, None, 0.9)]
     assert select_best(infos).step == 9
@@ -66,7 +79,7 @@ def test_interval_recorded_in_history_report_and_metrics(tmp_path):
     result = {"speedup": {"vs_target": 1.3, "vs_target_ci95": [1.1, 1.5]}, "acceptance_rate": 0.6, "train_loss": 2.0}
     state.record(4, result)
     row = {"step": 4, "speedup": 1.3, "speedup_ci95": [1.1, 1.5], "acceptance_rate": 0.6, "loss": 2.0}
-    row["train_minutes"] = None  # the result carries no training clock
+    row["train_minutes"] = row["mean_accepted_length"] = None  # the result carries no training clock, no tau
     assert state.history == [row]
     assert CheckpointInfo.from_dict(state.history[0]).interval == (1.1, 1.5)
     full = {

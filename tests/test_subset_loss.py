@@ -119,9 +119,10 @@ def test_recipe_and_launch_checks():
 
 
 @pytest.mark.slow
-def test_a_run_trains_over_its_draft_vocabulary(tmp_path):
-    """A real run with loss_vocab=subset: it trains (the loss falls), its agreement is over the subset, and the
-    checkpoint is an ordinary one whose head rows outside the subset are the starting draft's."""
+@pytest.mark.parametrize("cache_teacher", [False, True])
+def test_a_run_trains_over_its_draft_vocabulary(tmp_path, cache_teacher):
+    """A real run with loss_vocab=subset, the teacher's rows computed each step or kept from the first epoch: it
+    trains (the loss falls) and the checkpoint is an ordinary one with its full head."""
     from safetensors.torch import load_file
 
     from decode.draft_vocab import load_ids
@@ -129,9 +130,10 @@ def test_a_run_trains_over_its_draft_vocabulary(tmp_path):
 
     out = tmp_path / "run"
     paths = tiny_run_paths(tmp_path)
+    distill = {"source": "target", "max_new_tokens": 8, "top_k": 8, "loss_vocab": "subset"}
     recipe = tiny_recipe(
-        paths, out, {"source": "target", "max_new_tokens": 8, "top_k": 8, "loss_vocab": "subset"},
-        {"max_steps": 6, "batch_size": 4, "lr": 3e-3}, draft={"vocab_subset": 40},
+        paths, out, {**distill, "cache_teacher": cache_teacher}, {"max_steps": 6, "batch_size": 4, "lr": 3e-3},
+        draft={"vocab_subset": 40},
     )  # fmt: skip
     proc = run_distill(recipe, tmp_path, OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
