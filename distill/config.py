@@ -159,8 +159,8 @@ class DistillConfig:
         "full",
         "the vocabulary the draft's head and the loss cover: all tokens, or subset (the draft.vocab_subset tokens "
         "draftsmith's decoder drafts from; needs distill.top_k: the teacher's mass elsewhere goes to its tail "
-        "bucket; far cheaper steps on a large vocabulary, but the checkpoint's other head rows stay untrained: HF, vLLM "
-        "and SGLang serve the full head and draft worse)",
+        "bucket; far cheaper steps on a large vocabulary, but the checkpoint's other head rows stay untrained: HF, "
+        "vLLM and SGLang serve the full head and draft worse)",
     )
     completion_field: str = _f("completion", "source=fixed: the dataset field holding the completion")
     max_new_tokens: int = _f(64, "length of generated continuations")
