@@ -9,7 +9,9 @@ vocabulary a 2-layer draft's head is most of its training cost; with N = 8192 a 
 
 The weight rows are the model's own (a view, not a copy), so the trained checkpoint is an ordinary one with its
 full head; only the N rows were trained as outputs. HF assisted generation, vLLM and SGLang serve that full head,
-whose other rows keep their starting values: measure the published draft there too (train/publish.py does for HF).
+whose other rows were never trained against the moved hidden states: SmolLM2's subset-trained draft was faster in
+draftsmith's decoder and slower than plain `generate` as an HF assistant (docs/smollm2.md). Use it for drafts
+served by draftsmith's decoder.
 
     position = index_of(ids, vocab)                     # id -> column of the restricted logits
     head = restricted(model, ids)                       # once; shares the model's weight
