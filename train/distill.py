@@ -581,9 +581,9 @@ def step_loss(
     from distill import losses, subset_loss, teacher_cache
 
     cfg, mask = recipe.distill, batch["loss_mask"]
-    if position is not None and teachers is None:  # top-k rows computed here, not kept
-        teachers = teacher_cache.TeacherCache(cfg.top_k, cfg.temperature)
-        on_policy = True
+    keep = not on_policy
+    if position is not None and teachers is None:  # the top-k rows are computed for this step only
+        teachers, keep = teacher_cache.TeacherCache(cfg.top_k, cfg.temperature), False
     if teachers is None:
         with torch.no_grad():
             teacher = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -595,7 +595,7 @@ def step_loss(
         return loss, float(agreement), len(pairs)
     keys = [teacher_cache.sequence_key(p, c) for p, c in pairs]
     top_ids, log_pt, scored = teacher_cache.teacher_rows(
-        teachers, keys, batch, target, keep=not on_policy, vocab_size=vocab_size
+        teachers, keys, batch, target, keep=keep, vocab_size=vocab_size
     )
     width = vocab_size
     if position is not None:
