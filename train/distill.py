@@ -293,12 +293,10 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         if accelerator.is_main_process:
             print(f"draft vocabulary: the {len(draft_vocab)} of {vocab_size} tokens most frequent in the {where}")
     # distill.loss_vocab=subset: the draft's head and the loss cover the draft vocabulary alone
-    subset = None
+    trained, subset_head, subset_position = accelerator.unwrap_model(draft), None, None
     if recipe.distill.loss_vocab == "subset":
-        subset = (
-            subset_loss.restricted(accelerator.unwrap_model(draft), draft_vocab),
-            subset_loss.index_of(draft_vocab, vocab_size, device=accelerator.device),
-        )
+        subset_head = subset_loss.restricted(trained, draft_vocab)
+        subset_position = subset_loss.index_of(draft_vocab, vocab_size, device=accelerator.device)
 
     def evaluate_and_save(step: int, loss: float | None, train_s: float) -> None:
         """The checkpoint of `step` (`train_s` training seconds in): evaluated on the main process, then saved
@@ -357,11 +355,11 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                         loss_positions=recipe.distill.loss_positions,
                     )  # fmt: skip
                     with accelerator.accumulate(draft):
-                        with training_head(accelerator.unwrap_model(draft), subset):
+                        with training_head(trained, subset_head):
                             student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
                         loss, agreement, scored = step_loss(
                             student.logits, batch, pairs, target, recipe, vocab_size, teachers,
-                            source.last_source == "draft", position=subset[1] if subset else None,
+                            source.last_source == "draft", position=subset_position,
                         )  # fmt: skip
                         teacher_forwards += scored
                         check_finite(accelerator, loss, step, ckpt_root)
@@ -609,11 +607,11 @@ def step_loss(
     return loss, float(agreement), scored
 
 
-def training_head(model: torch.nn.Module, subset: tuple | None) -> contextlib.AbstractContextManager:
-    """distill.loss_vocab=subset: the draft's restricted head for the training forward; else nothing."""
+def training_head(model: torch.nn.Module, head: torch.nn.Module | None) -> contextlib.AbstractContextManager:
+    """distill.loss_vocab=subset: the draft's restricted `head` for the training forward; else nothing."""
     from distill import subset_loss
 
-    return subset_loss.swapped_head(model, subset[0]) if subset else contextlib.nullcontext()
+    return subset_loss.swapped_head(model, head) if head is not None else contextlib.nullcontext()
 
 
 def shared_elapsed_s(accelerator, timer: Timer) -> float:
