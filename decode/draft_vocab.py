@@ -112,13 +112,46 @@ def with_subset_head(model: nn.Module, ids: Sequence[int] | None) -> nn.Module:
     """
     if ids is None:
         return model
+    view = copy.copy(model)  # shares every submodule, parameter and the config
+    view._modules = dict(model._modules)
+    view.set_output_embeddings(SubsetHead(_linear_head(model), ids))
+    return view
+
+
+def with_masked_head(model: nn.Module, ids: Sequence[int]) -> nn.Module:
+    """A view of `model` to save for other engines: its own (untied) output layer, rows outside `ids` zero.
+
+    A draft trained over its draft vocabulary (`distill.loss_vocab: subset`) has trained only those rows of its
+    head; the others still score the hidden states of the untrained draft. HF assisted generation, vLLM and
+    SGLang run the full head, so the saved draft keeps the trained rows and gives every other token a logit of 0:
+    below any token the draft would propose (its top logits are positive), so it drafts from `ids` there too,
+    at the full head's cost. The input embeddings keep every row (prompts hold any token); `model` is unchanged.
+
+    Raises:
+        ValueError: the model's output layer is not a plain linear layer.
+    """
+    head = _linear_head(model)
+    keep = torch.zeros(head.weight.shape[0], dtype=torch.bool, device=head.weight.device)
+    keep[torch.tensor(sorted(set(ids)), dtype=torch.long, device=keep.device)] = True
+    masked = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)
+    masked.to(device=head.weight.device, dtype=head.weight.dtype).requires_grad_(False)
+    with torch.no_grad():
+        masked.weight.copy_(head.weight * keep[:, None])
+        if head.bias is not None:
+            masked.bias.copy_(head.bias * keep)
+    view = copy.copy(model)
+    view._modules = dict(model._modules)
+    view.config = copy.deepcopy(model.config)
+    view.config.tie_word_embeddings = False  # save the masked rows, not the embeddings, as the output layer
+    view.set_output_embeddings(masked)
+    return view
+
+
+def _linear_head(model: nn.Module) -> nn.Linear:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear):
         raise ValueError(
             f"a draft vocabulary needs a draft whose output layer is a linear layer, not {type(head).__name__}: "
             "drop the draft vocabulary (--draft-vocab full)"
         )
-    view = copy.copy(model)  # shares every submodule, parameter and the config
-    view._modules = dict(model._modules)
-    view.set_output_embeddings(SubsetHead(head, ids))
-    return view
+    return head

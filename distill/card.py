@@ -172,6 +172,12 @@ def _figures(info: dict) -> list[str]:
             f"- draftsmith's decoder drafted from the {best['draft_vocab_size']} tokens of `draft_vocab.json` (the "
             "target's most frequent; lossless: the target verifies over its whole vocabulary). The model keeps its "
             "full output layer, which HF assisted generation, vLLM and SGLang use: their drafts cost more per token"
+            + (
+                "; it was trained over those tokens alone, so its other rows are zero and those engines propose "
+                "from the same tokens"
+                if info.get("head_masked_to_draft_vocab")
+                else ""
+            )
         )
     settings = best.get("hf_assisted_settings")
     if isinstance(settings, dict):

@@ -536,6 +536,8 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
         "checkpoint": src.label,
         "best_step": src.step,
         "method": _describe_method(recipe, lora),
+        # trained over its draft vocabulary: the saved head scores only those tokens (draft_vocab.with_masked_head)
+        "head_masked_to_draft_vocab": recipe_get(recipe, "distill.loss_vocab") == "subset",
         "num_assistant_tokens": gamma,
         "generation_config": {"assistant": assistant, "why": assistant_why},
         "hardware": hardware,

@@ -127,13 +127,17 @@ class RunState:
     def finish_checkpoint(self, draft: Any, tokenizer: Any, step: int, result: dict, tmp: Path) -> Path:
         """Complete the checkpoint written into `tmp` (training state already there), move it into place,
         export best/ when it is the new best and prune the others. Returns the checkpoint directory."""
+        from decode.draft_vocab import save_ids, with_masked_head
         from distill import models
 
-        models.save_draft(draft, tmp, tokenizer)
-        if self.draft_vocab is not None:
-            from decode.draft_vocab import save_ids
-
+        if self.draft_vocab is None:
+            models.save_draft(draft, tmp, tokenizer)
+        else:
             ids, vocab, source = self.draft_vocab
+            # Trained over its draft vocabulary: the head's other rows are stale, so engines that run the full
+            # head get them masked (decode.draft_vocab.with_masked_head); the training draft keeps its tied head.
+            subset_trained = self.recipe.distill.loss_vocab == "subset"
+            models.save_draft(with_masked_head(draft, ids) if subset_trained else draft, tmp, tokenizer)
             save_ids(tmp, ids, vocab=vocab, source=source)
         write_json_atomic(tmp / "eval.json", result)
         if step == 0:

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from decode.__main__ import draft_vocab_ids
-from decode.draft_vocab import FILE, SubsetHead, frequent_ids, load_ids, save_ids, with_subset_head
+from decode.draft_vocab import (
+    FILE,
+    SubsetHead,
+    frequent_ids,
+    load_ids,
+    save_ids,
+    with_masked_head,
+    with_subset_head,
+)
 from decode.sampling import process_logits
 from decode.speculative import speculative_generate, target_generate
 from tests.decode_helpers import bigram_lm, bigram_sequence_probs
@@ -129,3 +137,26 @@ def test_a_run_drafts_from_its_vocabulary_and_saves_it(tmp_path):
     # the checkpoint itself keeps its full head
     config = json.loads((out / "best" / "config.json").read_text())
     assert config["vocab_size"] > 40
+
+
+def test_masked_head_saves_an_untied_head_scoring_only_the_subset(tmp_path):
+    """A subset-trained draft as other engines load it: the subset's logits as trained, 0 for every other token,
+    the input embeddings whole, and the model it was made from unchanged (still tied)."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_llama(32, tie=True)
+    ids = [0, 3, 4, 9, 17, 31]
+    with_masked_head(model, ids).save_pretrained(tmp_path)
+    assert model.config.tie_word_embeddings
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not loaded.config.tie_word_embeddings
+    assert torch.equal(loaded.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    x = torch.randint(0, 32, (2, 7))
+    with torch.no_grad():
+        want, got = model(x).logits, loaded(x).logits
+    others = [i for i in range(32) if i not in ids]
+    torch.testing.assert_close(got[..., ids], want[..., ids])
+    assert not got[..., others].any()
+    with pytest.raises(ValueError, match="linear layer"):
+        with_masked_head(torch.nn.Module(), ids)

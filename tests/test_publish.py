@@ -332,6 +332,9 @@ def test_card_front_matter_with_hub_ids():
     info["best"] = {**info["best"], "draft_vocab_size": 8192}
     card = pub.render_model_card(info, "me/gemma-2-2b-it-draft")
     assert "drafted from the 8192 tokens of `draft_vocab.json`" in card
+    assert "other rows are zero" not in card
+    card = pub.render_model_card({**info, "head_masked_to_draft_vocab": True}, "me/gemma-2-2b-it-draft")
+    assert "its other rows are zero and those engines propose from the same tokens" in card
 
 
 @pytest.mark.parametrize(
