@@ -12,7 +12,9 @@ the target at a rejection.
     fast = with_subset_head(draft, load_ids(run_dir / "best"))   # the draft for speculative_generate
 
 The checkpoint itself keeps its full head: HF assisted generation, vLLM and SGLang load and run it unchanged
-(with their full-vocabulary cost); the ids file is read by draftsmith's decoder only.
+(with their full-vocabulary cost); the ids file is read by draftsmith's decoder only. A draft trained over its
+draft vocabulary (distill.subset_loss) is saved through `with_masked_head`: the same full-width head with its
+untrained rows zeroed, so those engines propose from the same tokens.
 """
 
 from __future__ import annotations
@@ -112,8 +114,7 @@ def with_subset_head(model: nn.Module, ids: Sequence[int] | None) -> nn.Module:
     """
     if ids is None:
         return model
-    view = copy.copy(model)  # shares every submodule, parameter and the config
-    view._modules = dict(model._modules)
+    view = _view(model)
     view.set_output_embeddings(SubsetHead(_linear_head(model), ids))
     return view
 
@@ -123,9 +124,10 @@ def with_masked_head(model: nn.Module, ids: Sequence[int]) -> nn.Module:
 
     A draft trained over its draft vocabulary (`distill.loss_vocab: subset`) has trained only those rows of its
     head; the others still score the hidden states of the untrained draft. HF assisted generation, vLLM and
-    SGLang run the full head, so the saved draft keeps the trained rows and gives every other token a logit of 0:
-    below any token the draft would propose (its top logits are positive), so it drafts from `ids` there too,
-    at the full head's cost. The input embeddings keep every row (prompts hold any token); `model` is unchanged.
+    SGLang run the full head, so the saved draft keeps the trained rows and gives every other token a logit of 0,
+    below the positive top logit of a trained draft, so it drafts from `ids` there too, at the full head's cost
+    (SmolLM2's masked head drafted exactly the tokens of its 8192-row head on held-out prompts). The input
+    embeddings keep every row (prompts hold any token); `model` is unchanged.
 
     Raises:
         ValueError: the model's output layer is not a plain linear layer.
@@ -139,11 +141,17 @@ def with_masked_head(model: nn.Module, ids: Sequence[int]) -> nn.Module:
         masked.weight.copy_(head.weight * keep[:, None])
         if head.bias is not None:
             masked.bias.copy_(head.bias * keep)
-    view = copy.copy(model)
-    view._modules = dict(model._modules)
+    view = _view(model)
     view.config = copy.deepcopy(model.config)
     view.config.tie_word_embeddings = False  # save the masked rows, not the embeddings, as the output layer
     view.set_output_embeddings(masked)
+    return view
+
+
+def _view(model: nn.Module) -> nn.Module:
+    """A shallow copy of `model` sharing every submodule, parameter and the config; its modules can be swapped."""
+    view = copy.copy(model)
+    view._modules = dict(model._modules)
     return view
 
 

@@ -7,11 +7,11 @@ and the loss), and the loss compares that N-token distribution with the target's
 every other token going into the tail bucket of the top-k coarsening (distill.losses). On SmolLM2's 49152-token
 vocabulary a 2-layer draft's head is most of its training cost; with N = 8192 a step costs ~2.5x less.
 
-The weight rows are the model's own (a view, not a copy), so the trained checkpoint is an ordinary one with its
-full head; only the N rows were trained as outputs. HF assisted generation, vLLM and SGLang serve that full head,
-whose other rows were never trained against the moved hidden states: SmolLM2's subset-trained draft was faster in
-draftsmith's decoder and slower than plain `generate` as an HF assistant (docs/smollm2.md). Use it for drafts
-served by draftsmith's decoder.
+The weight rows are the model's own (a view, not a copy), so training changes only those N rows as outputs; the
+head's other rows still score the hidden states of the untrained draft. HF assisted generation, vLLM and SGLang
+serve the full head, so checkpoints are saved with those rows zeroed (decode.draft_vocab.with_masked_head, in
+distill.run_state): the saved draft proposes from the same N tokens in every engine. On SmolLM2 the head as
+trained made HF assisted generation 0.68x plain `generate`, the masked one 1.10x (docs/smollm2.md).
 
     position = index_of(ids, vocab)                     # id -> column of the restricted logits
     head = restricted(model, ids)                       # once; shares the model's weight
