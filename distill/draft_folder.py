@@ -146,7 +146,9 @@ def assistant_settings(ev: dict, gamma: int) -> tuple[dict, str]:
     The eval times HF assisted generation twice on the same prompts: with the measured gamma (constant, no early
     stop) and with transformers' defaults (20 tokens, confidence threshold 0.4). The faster one is published: the
     measured gamma for a draft that accepts well, the defaults for one that accepts little (their threshold ends a
-    draft the draft is unsure of). Without HF figures, the measured gamma.
+    draft the draft is unsure of). Without HF figures: the defaults where the eval drafted adaptively ('auto', which
+    also ends a draft where the draft is unsure; a constant gamma would publish a setting nothing measured), else
+    the measured gamma.
     """
     from decode.bench import HF_ASSISTED_DEFAULTS, published_assistant_settings
 
@@ -156,6 +158,12 @@ def assistant_settings(ev: dict, gamma: int) -> tuple[dict, str]:
     tps = ev.get("tokens_per_s") or {}
     fixed_tps, default_tps = tps.get("hf_assisted_published"), tps.get("hf_assisted")
     if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (fixed_tps, default_tps)):
+        if ev.get("num_draft_tokens") == "auto":
+            return defaults, (
+                f"transformers' defaults ({defaults['num_assistant_tokens']} tokens, confidence threshold "
+                f"{defaults['assistant_confidence_threshold']}): the eval drafted with an adaptive length ('auto') "
+                "and did not time HF; HF's confidence threshold is its adaptive length"
+            )
         return measured, f"the measured γ ({measured['num_assistant_tokens']}), constant, no early stop"
     fixed = f"{fixed_tps:.1f} tokens/s with γ {measured['num_assistant_tokens']} constant"
     default = f"{default_tps:.1f} with transformers' defaults"

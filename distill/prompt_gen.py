@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.prompts import jsonl_text, write_jsonl
+from decode.speculative import target_generate
 from distill import data
 from distill.config import DataConfig
 from distill.distributed import place
@@ -35,7 +36,7 @@ PREFIX = "generate:"
 SOURCES = ("magpie", "stdlib")
 _SENTINEL = "\x00USER-TURN\x00"
 _MIN_CHARS = 12  # shorter "requests" are fragments ("Hi", "?"), not prompts worth training on
-_CACHE_VERSION = 2  # 2: Magpie sampled in independently seeded shards
+_CACHE_VERSION = 3  # 2: Magpie sampled in independently seeded shards; 3: by draftsmith's target loop
 
 
 def is_generated(spec: str) -> bool:
@@ -101,17 +102,18 @@ def _shard_seed(seed: int, shard: int) -> int:
 
 def _magpie_shard(
     target: torch.nn.Module, prefix: torch.Tensor, rows: int, *, max_new_tokens: int, temperature: float,
-    stop_ids: list[int], pad_token_id: int | None, seed: int,
-) -> torch.Tensor:  # fmt: skip
-    """`rows` user turns sampled after `prefix` in one batch, seeded by `seed` alone (not by earlier batches)."""
-    torch.manual_seed(seed)
-    with torch.inference_mode():
-        out = target.generate(
-            prefix.expand(rows, -1), attention_mask=torch.ones_like(prefix).expand(rows, -1),
-            do_sample=True, temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-            eos_token_id=stop_ids or None, pad_token_id=pad_token_id,
-        )  # fmt: skip
-    return out[:, prefix.shape[1] :]
+    stop_ids: list[int], seed: int,
+) -> list[list[int]]:  # fmt: skip
+    """`rows` user turns sampled after `prefix` in one batch, seeded by `seed` alone (not by earlier batches).
+
+    draftsmith's own target loop, not HF `generate`: the same sampling at 1.3-1.5x the speed on CPU (no logits
+    processors over the whole vocabulary), and this is most of a generated-prompt run's time before training."""
+    generator = torch.Generator(device=prefix.device).manual_seed(seed)
+    out = target_generate(
+        target, prefix.expand(rows, -1), torch.ones_like(prefix).expand(rows, -1), max_new_tokens=max_new_tokens,
+        temperature=temperature, eos_token_id=stop_ids or None, generator=generator,
+    )  # fmt: skip
+    return out.new_tokens
 
 
 def magpie_prompts(
@@ -145,7 +147,7 @@ def magpie_prompts(
             rows = min(batch_size, 4 * n - mine * batch_size)
             sampled = _magpie_shard(
                 target, prefix, rows, max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=stop_ids,
-                pad_token_id=tokenizer.pad_token_id, seed=_shard_seed(seed, mine),
+                seed=_shard_seed(seed, mine),
             )  # fmt: skip
             texts = [clean_request(tokenizer.decode(seq, skip_special_tokens=False), stops) for seq in sampled]
         if world > 1:

@@ -19,6 +19,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from distill import draft_folder
 from distill import publish as pub
 from distill.config import load_recipe, save_recipe
 from tests.tiny import tiny_llama, word_tokenizer
@@ -237,7 +238,10 @@ def test_lora_checkpoint_is_merged(run_dir, tmp_path, caplog):
         got, want, unadapted = merged(ids).logits, with_adapter.eval()(ids).logits, plain_base(ids).logits
     torch.testing.assert_close(got[..., :DRAFT_VOCAB], want, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(want, unadapted, atol=1e-3)  # the adapter is not a no-op, so merging was tested
-    assert json.loads((out / "generation_config.json").read_text())["num_assistant_tokens"] == 3
+    # the eval drafted with 'auto' and did not time HF: HF's adaptive length (transformers' defaults) is published
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["num_assistant_tokens"] == 20 and gen["assistant_confidence_threshold"] == 0.4
+    assert "adaptive length ('auto')" in (out / "README.md").read_text()
 
 
 def test_checkpoint_without_recipe_uses_eval_json(run_dir, tmp_path):
@@ -358,6 +362,20 @@ def test_good_repo_id():
 )
 def test_best_gamma(ev, gamma):
     assert pub.best_gamma(ev) == gamma
+
+
+def test_assistant_settings_without_hf_timing_follow_the_eval_draft_length():
+    """No HF figures in the eval: an adaptive eval publishes HF's adaptive (confidence-threshold) defaults, a fixed
+    gamma publishes that gamma; with HF figures the faster measured setting wins whatever the eval's gamma."""
+    from decode.bench import HF_ASSISTED_DEFAULTS
+
+    settings, why = draft_folder.assistant_settings({"num_draft_tokens": "auto", "mean_num_draft_tokens": 2.1}, 2)
+    assert settings == HF_ASSISTED_DEFAULTS and "adaptive" in why
+    settings, why = draft_folder.assistant_settings({"num_draft_tokens": 3}, 3)
+    assert settings["num_assistant_tokens"] == 3 and settings["assistant_confidence_threshold"] == 0.0
+    timed = {"num_draft_tokens": "auto", "tokens_per_s": {"hf_assisted": 10.0, "hf_assisted_published": 12.0}}
+    settings, why = draft_folder.assistant_settings(timed, 2)
+    assert settings["num_assistant_tokens"] == 2 and "12.0 tokens/s" in why
 
 
 def test_match_vocab_pads_with_mean_rows_and_truncates():
