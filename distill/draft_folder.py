@@ -157,22 +157,21 @@ def assistant_settings(ev: dict, gamma: int) -> tuple[dict, str]:
     defaults = {**HF_ASSISTED_DEFAULTS, **(recorded.get("defaults") or {})}
     tps = ev.get("tokens_per_s") or {}
     fixed_tps, default_tps = tps.get("hf_assisted_published"), tps.get("hf_assisted")
+    named_defaults = (
+        f"transformers' defaults ({defaults['num_assistant_tokens']} tokens, confidence threshold "
+        f"{defaults['assistant_confidence_threshold']})"
+    )
     if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (fixed_tps, default_tps)):
         if ev.get("num_draft_tokens") == "auto":
             return defaults, (
-                f"transformers' defaults ({defaults['num_assistant_tokens']} tokens, confidence threshold "
-                f"{defaults['assistant_confidence_threshold']}): the eval drafted with an adaptive length ('auto') "
-                "and did not time HF; HF's confidence threshold is its adaptive length"
+                f"{named_defaults}: the eval drafted with an adaptive length ('auto') and did not time HF; HF's "
+                "confidence threshold is its adaptive length"
             )
         return measured, f"the measured γ ({measured['num_assistant_tokens']}), constant, no early stop"
     fixed = f"{fixed_tps:.1f} tokens/s with γ {measured['num_assistant_tokens']} constant"
     default = f"{default_tps:.1f} with transformers' defaults"
     if default_tps > fixed_tps:
-        return defaults, (
-            f"transformers' defaults ({defaults['num_assistant_tokens']} tokens, confidence threshold "
-            f"{defaults['assistant_confidence_threshold']}), the faster HF setting in the eval: "
-            f"{default} against {fixed}"
-        )
+        return defaults, f"{named_defaults}, the faster HF setting in the eval: {default} against {fixed}"
     return measured, (
         f"the measured γ ({measured['num_assistant_tokens']}), constant, no early stop, the faster HF setting in the "
         f"eval: {fixed} against {default}"
