@@ -233,7 +233,11 @@ class TrainConfig:
     batch_size: int = _f(8, "prompts per process per micro-batch")
     grad_accum: int = _f(1, "micro-batches per optimizer step")
     max_grad_norm: float = _f(1.0, "gradient clipping norm (0: off)")
-    mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "accelerate mixed precision")
+    mixed_precision: Literal["no", "bf16", "fp16", "auto"] = _f(
+        "no",
+        "accelerate mixed precision; auto: bf16 where the hardware runs it natively (CUDA with bf16, a CPU with "
+        "AVX512-BF16/AMX), else no (emulated bf16 on an AVX2-only CPU is ~50x slower than float32)",
+    )
     gradient_checkpointing: bool = _f(False, "trade compute for activation memory on the draft")
     seed: int = _f(0, "seed for data order, sampling and init")
     save_every: int = _f(0, "steps between resume checkpoints (0: at each eval)")

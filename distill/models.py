@@ -12,7 +12,8 @@ with a one-line message that names the recipe key and the fix.
 dtype "auto": the target loads in bfloat16 on CUDA (float16 where the GPU lacks bf16) and on a CPU with native
 bf16 matmuls (AVX512-BF16/AMX: there a multi-token verify forward is ~1.5x cheaper than in float32), else in
 float32; a LoRA draft's frozen base loads in float32 on CPU, bfloat16 on CUDA. A *fully* trained draft loads
-in float32 everywhere: these are AdamW's master weights; use `train.mixed_precision=bf16` for bf16 compute.
+in float32 everywhere: these are AdamW's master weights; `train.mixed_precision=auto` computes in bf16 where
+the hardware runs it natively (bf16 elsewhere is emulated, ~50x slower on an AVX2-only CPU).
 An explicit dtype is always obeyed.
 """
 
@@ -103,6 +104,27 @@ def resolve_dtype(dtype: str, device: torch.device, frozen: bool = False) -> tor
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return torch.float16
     return torch.bfloat16
+
+
+def resolve_mixed_precision(mixed_precision: str | None) -> str | None:
+    """'auto' -> 'bf16' where bf16 matmuls are fast (CUDA with bf16, or a CPU with AVX512-BF16 / AMX), else 'no'.
+
+    Elsewhere bf16 is emulated: on a CPU with AVX2 only, a bf16 matmul measured ~50x slower than float32."""
+    if mixed_precision != "auto":
+        return mixed_precision
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    return "bf16" if cpu_has_native_bf16() else "no"
+
+
+def slow_bf16_warning(mixed_precision: str | None) -> str | None:
+    """One line for a run asked for bf16 on a CPU that only emulates it (and no GPU); None where bf16 is fine."""
+    if mixed_precision != "bf16" or torch.cuda.is_available() or cpu_has_native_bf16():
+        return None
+    return (
+        "warning: mixed precision bf16 on a CPU without AVX512-BF16/AMX is emulated (~50x slower matmuls than "
+        "float32): set train.mixed_precision=auto (or no)"
+    )
 
 
 def bnb_config(quant: QuantConfig) -> BitsAndBytesConfig | None:

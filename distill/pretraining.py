@@ -40,6 +40,7 @@ from distill.config import (
     to_dict,
 )
 from distill.corpus import Corpus, PackedChunks, eval_windows, load_corpus, load_tokenizer, pack, train_tokenizer
+from distill.models import resolve_mixed_precision
 from distill.tracking import tracker_setup
 
 MIN_LR_RATIO = 0.1  # the cosine ends at 10% of the peak learning rate
@@ -152,19 +153,6 @@ def heldout_loss(model, windows: torch.Tensor, batch_size: int = 8) -> float:
         total, count = total + nll.item(), count + batch[:, 1:].numel()
     model.train()
     return total / max(1, count)
-
-
-def resolve_mixed_precision(mixed_precision: str | None) -> str | None:
-    """'auto' -> 'bf16' where bf16 matmuls are fast (CUDA with bf16, or a CPU with AVX512-BF16 / AMX), else 'no'."""
-    if mixed_precision != "auto":
-        return mixed_precision
-    if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "no"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "no"
-    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "no"
 
 
 # ---------------------------------------------------------------- output directory (atomic)

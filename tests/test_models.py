@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from decode.compat import cpu_has_native_bf16
-from distill.config import LoraConfig, ModelConfig, QuantConfig
+from distill.config import LoraConfig, ModelConfig, QuantConfig, load_recipe
 from distill.models import (
     bnb_config,
     check_compatible,
@@ -16,8 +16,10 @@ from distill.models import (
     load_draft,
     load_target,
     load_tokenizer,
+    resolve_mixed_precision,
     resolve_model_path,
     save_draft,
+    slow_bf16_warning,
 )
 from tests.tiny import SNIPPETS, bpe_tokenizer, swap_ids, tiny_llama
 
@@ -54,6 +56,22 @@ def test_load_target_is_frozen_in_the_cpus_fast_dtype(pair):
     assert bf16.dtype == torch.bfloat16
     assert context_length(target) == 128
     assert context_length(target, tiny_llama(8, max_position_embeddings=64)) == 64
+
+
+def test_mixed_precision_auto_follows_the_hardware_and_explicit_bf16_on_emulating_cpus_warns():
+    native = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else cpu_has_native_bf16()
+    assert resolve_mixed_precision("auto") == ("bf16" if native else "no")
+    for explicit in ("no", "bf16", "fp16", None):
+        assert resolve_mixed_precision(explicit) == explicit
+    assert slow_bf16_warning(resolve_mixed_precision("auto")) is None  # auto never picks the slow path
+    assert slow_bf16_warning("no") is None
+    warning = slow_bf16_warning("bf16")
+    if native or torch.cuda.is_available():
+        assert warning is None
+    else:
+        assert "train.mixed_precision=auto" in warning and "\n" not in warning
+    # the recipe key takes auto
+    assert load_recipe(None, ["train.mixed_precision=auto"]).train.mixed_precision == "auto"
 
 
 def test_seed_quantization_maps_one_to_one():

@@ -48,6 +48,7 @@ from distill.checkpoints import (  # noqa: E402
 )
 from distill.config import Recipe, RecipeError, dump_recipe, load_recipe, save_recipe, to_dict  # noqa: E402
 from distill.engines import measure_extra_engines  # noqa: E402
+from distill.models import resolve_mixed_precision, slow_bf16_warning  # noqa: E402
 from distill.run_state import RunState, prepare_output_dir  # noqa: E402
 from distill.training import (  # noqa: E402
     MetricsLog,
@@ -174,11 +175,14 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     if is_main:
         prepare_output_dir(out, args.resume, args.overwrite)
     log_with, init_kwargs = tracker_setup(recipe.log, out, is_main)
+    mixed_precision = resolve_mixed_precision(recipe.train.mixed_precision)  # auto: bf16 only where it is native
+    if is_main and (warning := slow_bf16_warning(mixed_precision)):
+        print(warning, file=sys.stderr)
     accelerator = Accelerator(
         log_with=log_with or None,
         project_dir=str(out),
         gradient_accumulation_steps=recipe.train.grad_accum,
-        mixed_precision=recipe.train.mixed_precision,
+        mixed_precision=mixed_precision,
         # The loop steps the scheduler once per optimizer step itself: accelerate's default would step it once
         # per process (num_processes times), ending warm-up and decay early under DDP.
         step_scheduler_with_optimizer=False,
@@ -227,6 +231,8 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     eval_rows = eval_rows[: recipe.eval.num_prompts]
     if accelerator.is_main_process:
         print(f"data: {len(train_prompts)} training prompts, {len(eval_rows)} eval prompts, {world} process(es)")
+        if recipe.train.mixed_precision == "auto":
+            print(f"mixed precision: {mixed_precision} (auto)")
 
     # ---- optimizer
     optimizer = build_optimizer(draft, recipe.train)
