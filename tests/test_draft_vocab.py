@@ -67,7 +67,8 @@ def test_subset_head_scores_only_its_rows_and_leaves_the_model_alone():
     x = torch.tensor([[1, 5, 9, 3]])
     with torch.no_grad():
         full, part = model(x).logits, view(x).logits
-    assert torch.equal(part[..., ids], full[..., ids])
+    # the same rows of the same weight; a 5-row matmul may round differently from the 64-row one (AVX2 MKL)
+    torch.testing.assert_close(part[..., ids], full[..., ids], rtol=1e-5, atol=1e-6)
     outside = torch.ones(64, dtype=torch.bool)
     outside[ids] = False
     assert torch.isneginf(part[..., outside]).all()

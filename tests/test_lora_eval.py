@@ -67,7 +67,10 @@ def test_evaluated_draft_is_the_merged_draft(pair):
         got, want = served(x).logits, merged(x).logits
         unmerged = draft.eval()(x).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    torch.testing.assert_close(got.float(), unmerged.float(), rtol=0.05, atol=0.1)  # bf16 rounding, adapters in
+    # bf16 rounds merged and unmerged weights differently (an element can move by ~0.15 on an AVX2 CPU); without
+    # the adapters the same logits differ by ~1.4 on average and ~9 at most
+    diff = (got.float() - unmerged.float()).abs()
+    assert diff.mean() < 0.05 and diff.max() < 0.5, (diff.mean(), diff.max())
 
 
 def test_float32_lora_draft_is_served_merged_in_the_targets_dtype(pair):
