@@ -242,8 +242,8 @@ def newest_checkpoint(ckpt_root: Path, require: str = "state") -> tuple[int, Pat
 
 
 def rank_key(info: CheckpointInfo) -> tuple[float, float, int]:
-    """Order for keeping the top-k: measured speedup, then acceptance (tau where known), then the later step.
-    Never the loss."""
+    """Order for keeping the top-k: measured speedup, then tau (the acceptance rate where tau is missing), then the
+    later step. Never the loss."""
     return (info.speedup, info.tau if info.tau is not None else info.acceptance_rate, info.step)
 
 
@@ -265,7 +265,7 @@ def beats(challenger: CheckpointInfo, incumbent: CheckpointInfo) -> bool:
     - clearly slower (the incumbent's lower bound above its speedup): no;
     - otherwise the two are within the timing noise: the more tokens per target pass win (tau, else the
       acceptance rate: properties of the tokens, free of timing noise), and on a tie the later step.
-    Without intervals (lo = hi = speedup) this is: higher speedup, then acceptance, then the later step.
+    Without intervals (lo = hi = speedup) this is: higher speedup, then tau (else acceptance), then the later step.
     """
     if challenger.interval[0] > incumbent.speedup:
         return True

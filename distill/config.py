@@ -77,7 +77,9 @@ class ModelConfig:
 
     model: str = _f("", "local path or Hugging Face hub id")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
-        "auto", "weights dtype (auto: fp32 on CPU, bf16 on GPU for the target; a fully trained draft stays fp32)"
+        "auto",
+        "weights dtype (auto: the target in bf16 on a GPU or a CPU with native bf16, else fp32; a fully trained "
+        "draft stays fp32)",
     )
     revision: str | None = _f(None, "hub revision (branch, tag or commit)")
     trust_remote_code: bool = _f(False, "allow custom modelling code from the hub")

@@ -59,7 +59,7 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
         raise DiskFullError(err.errno, disk_error_message(err, out)) from None
     if not resume and ((out / "checkpoints").exists() or (out / "report.json").exists()):
         raise RecipeError(
-            f"output_dir {str(out)!r} holds an earlier run: pass --resume to continue it, --overwrite to replace "
+            f"output_dir {str(out)!r} already holds a run: pass --resume to continue it, --overwrite to replace "
             "it, or set output_dir=... to a new directory"
         )
 
@@ -91,7 +91,7 @@ class RunState:
     # ---- start
 
     def clean_temporaries(self) -> None:
-        """Remove what an interrupted earlier run left half-written, restoring a best/ it was replacing."""
+        """Remove what an interrupted run left half-written, restoring a best/ it was replacing."""
         recover_replace(self.out / "best")
         clean_temporaries(self.out)
         clean_temporaries(self.ckpt_root)
