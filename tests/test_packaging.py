@@ -4,6 +4,7 @@ files (recipes/, train/) end in one error naming the fix."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -40,8 +41,13 @@ def test_torch_floor_covers_the_apis_the_code_uses():
 def test_wheel_lacks_the_checkout_files_and_the_quickstart_says_so(tmp_path):
     """`pip install .` ships distill/ and decode/ alone; building the quickstart pair from such an install stops
     with one line naming `pip install -e .`, before it writes anything."""
+    src = tmp_path / "src"  # a copy: setuptools writes build/ and *.egg-info into the tree it builds
+    for name in ("distill", "decode", "recipes", "train"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", str(REPO)]
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", str(src)]
         + ["-w", str(tmp_path / "dist"), "-q"],
         capture_output=True,
         text=True,
