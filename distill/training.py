@@ -9,7 +9,6 @@ import contextlib
 import copy
 import functools
 import json
-import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -72,22 +71,6 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     if not params:
         raise ValueError("the draft has no trainable parameters: check draft.lora settings")
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-
-
-def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Multiplier of the peak lr at `step`: linear warm-up, then cosine / linear decay to 10%, or constant."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / (cfg.warmup_steps + 1)
-    if cfg.lr_scheduler == "constant":
-        return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-    if cfg.lr_scheduler == "linear":
-        return 1.0 - 0.9 * progress
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
 
 
 def batch_indices(step: int, micro: int, cfg: TrainConfig, n: int, rank: int, world: int) -> list[int]:
