@@ -293,10 +293,6 @@ def plot_eval(result: dict, path: Path, step: int) -> Path:
     return path
 
 
-def read_json(path: Path) -> Any:
-    return json.loads(Path(path).read_text())
-
-
 def read_samples(path: Path, prompts: Sequence[dict], limit: int = 8) -> list[dict]:
     """Speculative completions written by the bench (--samples-out format), joined with their prompts."""
     if not Path(path).is_file():
