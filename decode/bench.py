@@ -50,6 +50,7 @@ from decode.metrics import (
     solve_acceptance,
     speedup_ci95,
     speedup_with_prefill,
+    sync,
     theoretical_speedup,
 )
 from decode.prompts import encode_prompts, make_batches
@@ -98,11 +99,6 @@ def _engine_version() -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Methods
 # ---------------------------------------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _strip(row: list[int], eos: set[int]) -> list[int]:
     """generate pads finished rows (often with EOS itself): keep up to and including the first EOS."""
     for i, tok in enumerate(row):
@@ -168,7 +164,7 @@ class _Runner:
             gc.enable()
 
     def _run(self, method: str, ids: torch.Tensor, mask: torch.Tensor, seed: int, gen: torch.Generator, eos):
-        _sync(self.device)
+        sync(self.device)
         t0 = time.perf_counter()
         stats = None
         if method == "speculative":
@@ -194,7 +190,7 @@ class _Runner:
             with torch.inference_mode(), kernels.CpuLinears(*models), _generation_configs(configs):
                 seqs = self.target.generate(ids, attention_mask=mask, generation_config=config, **extra)
             tokens = [_strip(row, self.eos) for row in seqs[:, ids.shape[1] :].tolist()]
-        _sync(self.device)
+        sync(self.device)
         return time.perf_counter() - t0, tokens, stats
 
 

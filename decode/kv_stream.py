@@ -169,19 +169,17 @@ class KVStream:
         self.slots = width
 
 
-class _EvalMode:
-    """Put models in eval mode (no dropout) for the call and restore their mode after."""
-
-    def __init__(self, *models: nn.Module):
-        self.models = models
-
-    def __enter__(self):
-        self.modes = [m.training for m in self.models]
-        for m in self.models:
+@contextlib.contextmanager
+def inference(*models: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) and inference mode for the block; each model's previous mode restored after."""
+    modes = [m.training for m in models]
+    try:
+        for m in models:
             m.eval()
-
-    def __exit__(self, *exc):
-        for m, mode in zip(self.models, self.modes):
+        with torch.inference_mode():
+            yield
+    finally:
+        for m, mode in zip(models, modes):
             m.train(mode)
 
 
@@ -189,5 +187,5 @@ class _EvalMode:
 def decoding(*models: nn.Module) -> Iterator[None]:
     """The form every decoding loop and every cost measurement runs the models in: inference mode, eval mode,
     draftsmith's CPU kernels (one place, so the timed forwards are always the forwards the loops run)."""
-    with torch.inference_mode(), _EvalMode(*models), CpuLinears(*models):
+    with inference(*models), CpuLinears(*models):
         yield

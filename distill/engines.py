@@ -72,18 +72,13 @@ def _bench_draftsmith(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype
     """draftsmith's own bench of best/ next to the recipe's target, both loaded in ``dtype``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from decode.bench import run_bench
+    from distill.training import bench_by_recipe
 
-    ev, kw = recipe.eval, {"dtype": getattr(torch, dtype), "trust_remote_code": recipe.target.trust_remote_code}
+    kw = {"dtype": getattr(torch, dtype), "trust_remote_code": recipe.target.trust_remote_code}
     target = AutoModelForCausalLM.from_pretrained(recipe.target.model, **kw).eval()
     draft = AutoModelForCausalLM.from_pretrained(best, **kw).eval()
-    return run_bench(
-        target, draft, AutoTokenizer.from_pretrained(recipe.target.model), list(prompts),
-        target_name=recipe.target.model, draft_name=str(best), max_new_tokens=ev.max_new_tokens,
-        temperature=ev.temperature, top_p=ev.top_p, top_k=ev.top_k, num_draft_tokens=ev.num_draft_tokens,
-        batch_size=ev.batch_size, repeats=ev.repeats, seed=recipe.train.seed,
-        baselines=("target", "hf") if ev.hf_assisted and ev.batch_size == 1 else ("target",), progress=False,
-    )  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(recipe.target.model)
+    return bench_by_recipe(target, draft, tokenizer, prompts, recipe, draft_name=str(best), progress=False)
 
 
 def _bench_vllm(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype: str) -> dict:

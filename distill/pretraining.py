@@ -46,6 +46,7 @@ from distill.tracking import tracker_setup
 MIN_LR_RATIO = 0.1  # the cosine ends at 10% of the peak learning rate
 VOCAB_MULTIPLE = 64  # a vocabulary sized to the tokenizer is rounded up to this (matmul-friendly)
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "pretrain"
+PRETRAIN_SCRIPT = RECIPES.parents[1] / "train" / "pretrain.py"
 MARKER = "TRAINING.json"  # written last into a finished checkpoint; its presence marks a dir as ours
 
 
@@ -434,17 +435,24 @@ def quickstart_cache_dir() -> Path:
     return Path(os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith").expanduser() / "quickstart"
 
 
+def checkout_file(path: Path) -> Path:
+    """`path`, a file of the draftsmith source checkout (recipes/, train/), or one error naming the fix: a
+    non-editable install (`pip install .`) ships the packages alone."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: the quickstart pair is built from a draftsmith source checkout's recipes/ and "
+            "train/, which a non-editable install (pip install .) lacks; install the checkout with: pip install -e ."
+        )
+    return path
+
+
 def quickstart_recipes(cache_dir: Path | None = None) -> dict[str, tuple[Path, PretrainRecipe]]:
     """{"target": (yaml, recipe), "draft": (yaml, recipe)} with output dirs in the cache; the draft uses the
     target's tokenizer."""
     cache = Path(cache_dir).expanduser() if cache_dir else quickstart_cache_dir()
     out = {}
     for name in ("target", "draft"):
-        path = RECIPES / f"quickstart-{name}.yaml"
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{path} not found; the quickstart pair is built from the draftsmith repo's recipes/"
-            )
+        path = checkout_file(RECIPES / f"quickstart-{name}.yaml")
         recipe = load_recipe(path, cls=PretrainRecipe)
         recipe.output_dir = str(cache / name)
         if name == "draft":
@@ -514,8 +522,7 @@ def _build_in_child(yaml_path: Path, recipe: PretrainRecipe, progress: bool) -> 
     overrides = [f"output_dir={json.dumps(recipe.output_dir)}"]
     if recipe.tokenizer.path:
         overrides.append(f"tokenizer.path={json.dumps(recipe.tokenizer.path)}")
-    script = RECIPES.parents[1] / "train" / "pretrain.py"
-    cmd = [sys.executable, str(script), "--recipe", str(yaml_path), *overrides, "--mixed-precision", "auto"]
+    cmd = [sys.executable, str(PRETRAIN_SCRIPT), "--recipe", str(yaml_path), *overrides, "--mixed-precision", "auto"]
     if not progress:
         cmd.append("--no-progress")
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV and not k.startswith(_LAUNCHER_PREFIXES)}
@@ -536,6 +543,7 @@ def ensure_quickstart_pair(
     serialises concurrent callers; under ``accelerate launch`` call it on the main process first (e.g. inside
     ``accelerator.main_process_first()``), so the other processes find the pair built.
     """
+    checkout_file(PRETRAIN_SCRIPT)
     recipes = quickstart_recipes(cache_dir)
     target_dir, draft_dir = (Path(recipes[n][1].output_dir) for n in ("target", "draft"))
     target_dir.parent.mkdir(parents=True, exist_ok=True)

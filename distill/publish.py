@@ -304,10 +304,10 @@ def remeasure(folder: Path, src: PublishSource, repo_id: str, reason: str, promp
     """
     from transformers import AutoModelForCausalLM
 
-    from decode.bench import run_bench
     from decode.draft_vocab import load_ids
     from distill import models
     from distill.config import load_recipe
+    from distill.training import bench_by_recipe
 
     recipe = load_recipe(src.recipe_path)
     try:
@@ -318,24 +318,15 @@ def remeasure(folder: Path, src: PublishSource, repo_id: str, reason: str, promp
     device = next(target.parameters()).device
     draft = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").to(device).eval()
     ev = recipe.eval
-    hf = ev.hf_assisted and ev.batch_size == 1
     log.warning(f"re-measuring the merged draft on {len(prompts)} eval prompts: the checkpoint's eval {reason}")
-    result = run_bench(
+    result = bench_by_recipe(
         target,
         draft,
         tokenizer,
         prompts,
-        target_name=recipe.target.model,
+        recipe,
         draft_name=repo_id,
-        max_new_tokens=ev.max_new_tokens,
-        temperature=ev.temperature,
-        top_p=ev.top_p,
-        top_k=ev.top_k,
         num_draft_tokens=src.eval.get("num_draft_tokens", ev.num_draft_tokens),  # the gamma the card publishes
-        batch_size=ev.batch_size,
-        repeats=ev.repeats,
-        seed=recipe.train.seed,
-        baselines=("target", "hf") if hf else ("target",),
         progress=False,
         draft_vocab=load_ids(folder),  # the run's draft vocabulary, copied beside the weights
     )

@@ -25,12 +25,11 @@ step RNG with CUDA models) seeds one on the models' device, so sampling stays re
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from decode.kv_stream import inference
 from distill.config import DistillConfig
 from distill.data import Example, collate_prompts
 from distill.distributed import place
@@ -49,20 +49,6 @@ Pair = tuple[list[int], list[int]]
 
 def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-@contextlib.contextmanager
-def generation_mode(*models: nn.Module) -> Iterator[None]:
-    """Eval mode (no dropout) and inference mode for the block; each model's previous mode restored after."""
-    modes = [m.training for m in models]
-    try:
-        for m in models:
-            m.eval()
-        with torch.inference_mode():
-            yield
-    finally:
-        for m, mode in zip(models, modes):
-            m.train(mode)
 
 
 def _generator_on(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
@@ -106,7 +92,7 @@ def generate_target_rollouts(
     if num_draft_tokens == 0:
         draft = None
     models = (target,) if draft is None else (target, draft)
-    with generation_mode(*models):
+    with inference(*models):
         if draft is None:
             out = target_generate(
                 target,
@@ -150,7 +136,7 @@ def generate_draft_rollouts(
 
     batch = _prompt_batch(examples, pad_token_id, _device(draft))
     generator = _generator_on(generator, _device(draft))
-    with generation_mode(draft):
+    with inference(draft):
         out = target_generate(
             draft,
             batch["input_ids"],

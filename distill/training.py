@@ -9,7 +9,6 @@ import contextlib
 import copy
 import functools
 import json
-import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -74,22 +73,6 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
 
-def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Multiplier of the peak lr at `step`: linear warm-up, then cosine / linear decay to 10%, or constant."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / (cfg.warmup_steps + 1)
-    if cfg.lr_scheduler == "constant":
-        return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-    if cfg.lr_scheduler == "linear":
-        return 1.0 - 0.9 * progress
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
-
-
 def batch_indices(step: int, micro: int, cfg: TrainConfig, n: int, rank: int, world: int) -> list[int]:
     """Prompt indices for one micro-batch of one process, a pure function of (step, micro, rank).
 
@@ -138,33 +121,23 @@ def evaluate(
     understate the speedup the published, merged draft gives), and a draft trained in float32 next to a bf16/fp16
     target is measured in the target's dtype.
     """
-    from decode.bench import run_bench
     from distill.engines import evaluate_vllm
 
     was_training = draft.training
     draft.eval()
     wrapper = _drop_autocast_wrapper(draft)  # measured as served: no training-time autocast around its forward
     served = _served_draft(draft, target)
-    hf = recipe.eval.hf_assisted and recipe.eval.batch_size == 1 and not hasattr(served, "peft_config")
     try:
         if recipe.eval.engine == "vllm":  # the same measurement inside vLLM (distill/engines.py)
             return evaluate_vllm(target, draft, tokenizer, prompts, recipe, samples_out)
-        result = run_bench(
+        result = bench_by_recipe(
             target,
             served,
             tokenizer,
-            list(prompts),
-            target_name=recipe.target.model,
+            prompts,
+            recipe,
             draft_name=recipe.draft.model,
-            max_new_tokens=recipe.eval.max_new_tokens,
-            temperature=recipe.eval.temperature,
-            top_p=recipe.eval.top_p,
-            top_k=recipe.eval.top_k,
-            num_draft_tokens=recipe.eval.num_draft_tokens,
-            batch_size=recipe.eval.batch_size,
-            repeats=recipe.eval.repeats,
-            seed=recipe.train.seed,
-            baselines=("target", "hf") if hf else ("target",),
+            hf_assisted=not hasattr(served, "peft_config"),
             samples_out=samples_out,
             progress=True,
             draft_vocab=draft_vocab,
@@ -174,6 +147,49 @@ def evaluate(
             draft.forward = wrapper
         draft.train(was_training)
     return result
+
+
+def bench_by_recipe(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[dict],
+    recipe: Recipe,
+    *,
+    draft_name: str,
+    progress: bool,
+    hf_assisted: bool = True,
+    num_draft_tokens: int | str | None = None,
+    samples_out: Path | None = None,
+    draft_vocab: Sequence[int] | None = None,
+) -> dict:
+    """draftsmith's bench (decode.bench.run_bench) of loaded models with the recipe's eval settings: new tokens,
+    sampling, gamma (unless `num_draft_tokens`), batch size, repeats and seed. HF assisted generation runs as a
+    baseline where the recipe asks for it, the batch is 1 and the caller allows it (`hf_assisted`)."""
+    from decode.bench import run_bench
+
+    ev = recipe.eval
+    hf = ev.hf_assisted and ev.batch_size == 1 and hf_assisted
+    return run_bench(
+        target,
+        draft,
+        tokenizer,
+        list(prompts),
+        target_name=recipe.target.model,
+        draft_name=draft_name,
+        max_new_tokens=ev.max_new_tokens,
+        temperature=ev.temperature,
+        top_p=ev.top_p,
+        top_k=ev.top_k,
+        num_draft_tokens=ev.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
+        batch_size=ev.batch_size,
+        repeats=ev.repeats,
+        seed=recipe.train.seed,
+        baselines=("target", "hf") if hf else ("target",),
+        samples_out=samples_out,
+        progress=progress,
+        draft_vocab=draft_vocab,
+    )
 
 
 def _drop_autocast_wrapper(model: torch.nn.Module) -> Any:
@@ -308,10 +324,6 @@ def plot_eval(result: dict, path: Path, step: int) -> Path:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
-
-
-def read_json(path: Path) -> Any:
-    return json.loads(Path(path).read_text())
 
 
 def read_samples(path: Path, prompts: Sequence[dict], limit: int = 8) -> list[dict]:

@@ -3,6 +3,7 @@ the tests that stop a run and check nothing it started outlives it (Linux)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -13,6 +14,17 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 HAS_PROC = Path("/proc/self/task").is_dir()
+
+
+def load_script(relpath: str, name: str | None = None):
+    """A script of the repo (train/distill.py, bench/...) imported as a module by its path, registered in
+    sys.modules under `name` (default: its file stem) because dataclasses look their module up there."""
+    path = REPO / relpath
+    spec = importlib.util.spec_from_file_location(name or f"script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_recipe(paths: dict, out: Path, distill: dict, train: dict, **sections: dict) -> dict:

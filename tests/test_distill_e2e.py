@@ -19,7 +19,7 @@ import yaml
 
 from distill.checkpoints import CheckpointInfo, select_best
 from distill.config import TrainConfig
-from distill.training import lr_factor
+from distill.schedule import lr_multiplier
 from tests.procs import HAS_PROC, child_pids, running
 from tests.tiny import make_pair, make_prompts
 
@@ -177,7 +177,7 @@ def test_two_processes_one_log_identical_weights_same_schedule(assets, full_run,
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
     # The lr schedule advances once per optimizer step whatever the number of processes.
     cfg = TrainConfig(**recipe["train"])
-    expected = [cfg.lr * lr_factor(step, cfg) for step in range(1, cfg.max_steps + 1)]
+    expected = [cfg.lr * lr_multiplier(step, 0.0, cfg) for step in range(1, cfg.max_steps + 1)]
     assert lr_sequence(full_run) == pytest.approx(expected)
     assert lr_sequence(out) == pytest.approx(expected)
 

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.procs import load_script
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("plot_curves", REPO / "bench" / "plot_curves.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _report(run: Path, rows: list[dict]) -> Path:
@@ -25,7 +19,7 @@ def _report(run: Path, rows: list[dict]) -> Path:
 
 
 def test_curves_are_read_in_step_order_and_plotted(tmp_path):
-    pc = _module()
+    pc = load_script("bench/plot_curves.py")
     rows = [
         {"step": 200, "train_minutes": 9.5, "acceptance_rate": 0.5, "speedup": 1.3},
         {"step": 0, "train_minutes": 0.0, "acceptance_rate": 0.36, "speedup": 1.1},
@@ -44,7 +38,7 @@ def test_curves_are_read_in_step_order_and_plotted(tmp_path):
 
 
 def test_a_run_without_minutes_or_report_is_one_error_line(tmp_path):
-    pc = _module()
+    pc = load_script("bench/plot_curves.py")
     old = _report(tmp_path / "old", [{"step": 0, "acceptance_rate": 0.3, "speedup": 1.0}])
     with pytest.raises(SystemExit, match=r"checkpoints \[0\] have no train_minutes"):
         pc.read_curve(old)

