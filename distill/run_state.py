@@ -152,24 +152,28 @@ def read_eval(directory: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def selected_checkpoint(out: Path) -> Path | None:
+    """checkpoints/step-N that the history of the run's newest checkpoint selects as best, or None (no history)."""
+    found = newest_checkpoint(Path(out) / "checkpoints", require=TRAINER_STATE)
+    history = json.loads((found[1] / TRAINER_STATE).read_text()).get("history") if found else None
+    if not history:
+        return None
+    return Path(out) / "checkpoints" / f"step-{select_best([CheckpointInfo.from_dict(h) for h in history]).step}"
+
+
 def stale_best(out: Path) -> str | None:
     """Why the run's best/ is not what the run selected, or None when it is (or there is nothing to compare).
 
-    best/ must be the checkpoint the newest training state's history selects, and report.json (written when the
-    run ends) must state best/'s figures. A run stopped between renaming a new best into checkpoints/ and
-    exporting it, or resumed and stopped before its end, breaks one of the two until `--resume` finishes it."""
+    best/ must be the checkpoint the newest history selects, and report.json (written when the run ends) must
+    state best/'s figures. A run stopped between renaming a new best into checkpoints/ and exporting it, or
+    resumed and stopped before its end, breaks one of the two until `--resume` finishes it."""
     out = Path(out)
     best = read_eval(out / "best")
     if best is None:
         return None
-    found = newest_checkpoint(out / "checkpoints", require=TRAINER_STATE)
-    if found is not None:
-        history = json.loads((found[1] / TRAINER_STATE).read_text()).get("history") or []
-        if history:
-            step = select_best([CheckpointInfo.from_dict(h) for h in history]).step
-            chosen = read_eval(out / "checkpoints" / f"step-{step}")
-            if chosen is not None and chosen != best:
-                return f"best/ is not step {step}, the checkpoint the run's history selects"
+    chosen = selected_checkpoint(out)
+    if chosen is not None and read_eval(chosen) not in (None, best):
+        return f"best/ is not {chosen.name}, the checkpoint the run's history selects"
     report = out / "report.json"
     if report.is_file() and json.loads(report.read_text()).get("best") != best:
         return "report.json states other figures than best/eval.json"
@@ -193,10 +197,22 @@ class RunState:
     # ---- start
 
     def clean_temporaries(self) -> None:
-        """Remove what an interrupted earlier run left half-written, restoring a best/ it was replacing."""
+        """Remove what an interrupted earlier run left half-written, restoring a best/ it was replacing, and
+        make best/ the checkpoint the history selects."""
         recover_replace(self.out / "best")
         clean_temporaries(self.out)
         clean_temporaries(self.ckpt_root)
+        self.reconcile_best()
+
+    def reconcile_best(self) -> bool:
+        """Re-export best/ when it is not the checkpoint the history selects: a run killed after renaming a new
+        best step-N into place and before exporting it leaves the old best/ behind (step-N is never pruned
+        before its export, so it is there to copy). True when best/ was replaced."""
+        chosen = selected_checkpoint(self.out)
+        if chosen is None or read_eval(chosen) in (None, read_eval(self.out / "best")):
+            return False
+        export_best(chosen, self.out / "best")
+        return True
 
     # ---- resume
 
@@ -207,20 +223,7 @@ class RunState:
             saved = json.loads((found[1] / TRAINER_STATE).read_text())
             self.history = saved["history"]
             self.train_s = float(saved.get("train_minutes", 0.0)) * 60.0
-            self.reconcile_best()
         return found
-
-    def reconcile_best(self) -> bool:
-        """Make best/ the checkpoint the history selects. A run killed after renaming a new best step-N into
-        place and before exporting it leaves the old best/ behind; step-N is never pruned before its export,
-        so it is still there to copy. True when best/ was replaced."""
-        if not self.history:
-            return False
-        chosen = self.ckpt_root / f"step-{select_best(self.infos()).step}"
-        if not (chosen / "eval.json").is_file() or read_eval(self.out / "best") == read_eval(chosen):
-            return False
-        export_best(chosen, self.out / "best")
-        return True
 
     def trainer_state(self, step: int) -> dict:
         return {"step": step, "history": self.history, "train_minutes": self.train_s / 60.0}

@@ -228,10 +228,11 @@ def test_a_kill_before_best_is_exported_is_repaired_by_resume_and_never_publishe
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert (out / "checkpoints" / "step-3" / "eval.json").is_file()
     assert json.loads((out / "best" / "eval.json").read_text())["step"] == 0  # the crash left the old best
-    with pytest.raises(PublishError, match="not step 3, the checkpoint the run's history selects"):
+    with pytest.raises(PublishError, match="best/ is not step-3, the checkpoint the run's history selects"):
         resolve_source(out / "best")
 
-    state = RunState(out, Recipe())  # what --resume does first
+    state = RunState(out, Recipe())  # what --resume does first: the main process cleans up, every one restores
+    state.clean_temporaries()
     assert state.restore()[0] == 3
     assert json.loads((out / "best" / "eval.json").read_text()) == results[1][1]
     report = state.report(checksums=[0.0], world=1)
