@@ -187,7 +187,7 @@ def resolve_source(source: str | Path) -> PublishSource:
         raise PublishError(f"the eval figures for {found.label} are not a JSON object")
     if found.label == "best" and (why := stale_best(found.model_dir.parent)):
         raise PublishError(
-            f"{why} (the run stopped while replacing best/): finish it with train/distill.py --resume, then publish"
+            f"{why} (the run stopped before it finished): finish it with train/distill.py --resume, then publish"
         )
     missing = [k for k in EVAL_KEYS if k not in found.eval]
     if missing:
