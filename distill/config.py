@@ -211,6 +211,13 @@ class DistillConfig:
                 "on-policy sequences (source=draft) never come back: use source target/fixed/mix/schedule or "
                 "cache_teacher=false",
             )
+            _check(
+                self.cache_rollouts or self.source == "fixed",
+                "distill.cache_teacher",
+                "without distill.cache_rollouts the target's continuations are generated afresh every epoch, so kept "
+                "rows never come back and the cache grows without bound: set cache_rollouts=true or "
+                "cache_teacher=false",
+            )
 
 
 @dataclass

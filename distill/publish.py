@@ -56,6 +56,7 @@ from distill.hub import (
     is_hub_id,
     upload_folder,
 )
+from distill.run_state import stale_best
 
 __all__ = [
     "OFFLINE_MSG",
@@ -184,6 +185,10 @@ def resolve_source(source: str | Path) -> PublishSource:
         )
     if not isinstance(found.eval, dict):
         raise PublishError(f"the eval figures for {found.label} are not a JSON object")
+    if found.label == "best" and (why := stale_best(found.model_dir.parent)):
+        raise PublishError(
+            f"{why} (the run stopped before it finished): finish it with train/distill.py --resume, then publish"
+        )
     missing = [k for k in EVAL_KEYS if k not in found.eval]
     if missing:
         raise PublishError(f"the eval figures for {found.label} lack {', '.join(missing)}: not a bench JSON")

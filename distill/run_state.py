@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from distill.checkpoints import (
     CheckpointInfo,
     DiskFullError,
@@ -26,42 +28,112 @@ from distill.checkpoints import (
     steps_to_keep,
     write_json_atomic,
 )
-from distill.config import RecipeError, save_recipe
+from distill.config import RecipeError, dump_recipe, save_recipe
 
-RUN_MARKERS = ("resolved_recipe.yaml", "checkpoints", "report.json")  # what marks a directory as a distill run
+RUN_MARKER = "draftsmith-run.json"  # written into output_dir when a run starts: what --overwrite trusts
+LEGACY_RUN_FILES = ("resolved_recipe.yaml", "metrics.jsonl")  # a run from before the marker holds both
 TRAINER_STATE = "trainer_state.json"
 
 
-def looks_like_run_dir(path: Path) -> bool:
-    """True when `path` holds something only a distill run writes."""
-    return any((Path(path) / name).exists() for name in RUN_MARKERS)
+def is_run_dir(path: Path) -> bool:
+    """True when `path` holds a distill run: its marker, or both files every run writes at its start.
+
+    Never a common name alone (a `checkpoints/` folder is in many projects): --overwrite deletes what this
+    accepts."""
+    path = Path(path)
+    return (path / RUN_MARKER).is_file() or all((path / name).is_file() for name in LEGACY_RUN_FILES)
 
 
 def prepare_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
-    """Create output_dir, refusing to mix two runs in one directory or to delete a directory that is not a run."""
+    """Create output_dir and mark it as a run, refusing to mix two runs in one directory or to delete (or
+    write into) a non-empty directory that is not a run."""
     out = Path(out)
-    if overwrite and not resume and out.exists():
-        if not out.is_dir():
-            raise RecipeError(f"output_dir {str(out)!r} is a file: choose a directory path for output_dir")
-        if any(out.iterdir()) and not looks_like_run_dir(out):
-            raise RecipeError(
-                f"--overwrite: output_dir {str(out)!r} is not empty and holds no draftsmith run "
-                f"({', '.join(RUN_MARKERS)}); refusing to delete it: set output_dir=... to a new directory"
-            )
-    try:
-        if overwrite and not resume and out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise DiskFullError(err.errno, disk_error_message(err, out)) from None
-    if not resume and ((out / "checkpoints").exists() or (out / "report.json").exists()):
+    if out.exists() and not out.is_dir():
+        raise RecipeError(f"output_dir {str(out)!r} is a file: choose a directory path for output_dir")
+    occupied = out.is_dir() and any(out.iterdir())
+    if occupied and not is_run_dir(out):
+        what = "--resume: " if resume else "--overwrite: " if overwrite else ""
+        action = "refusing to delete it" if overwrite and not resume else "refusing to write into it"
+        raise RecipeError(
+            f"{what}output_dir {str(out)!r} is not empty and holds no draftsmith run (no {RUN_MARKER}); "
+            f"{action}: set output_dir=... to a new or empty directory"
+        )
+    if occupied and not resume and not overwrite:
         raise RecipeError(
             f"output_dir {str(out)!r} already holds a run: pass --resume to continue it, --overwrite to replace "
             "it, or set output_dir=... to a new directory"
         )
+    try:
+        if overwrite and not resume and occupied:
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+        # first write of every start: marks the run and tests that output_dir is writable
+        write_json_atomic(out / RUN_MARKER, {"tool": "draftsmith", "kind": "distill run"})
+    except OSError as err:
+        raise DiskFullError(err.errno, disk_error_message(err, out)) from None
+
+
+# Keys --resume may change without --allow-recipe-change: they decide where the run logs and publishes, how
+# long processes wait for each other and which checkpoints stay on disk, never what is trained or measured.
+FREE_ON_RESUME = (
+    "output_dir", "log.", "publish.", "train.dist_timeout_minutes", "train.save_every", "eval.keep_top_k",
+    "eval.extra_engines",
+)  # fmt: skip
+
+
+def free_on_resume(key: str, recipe: Any) -> bool:
+    """Whether `key` may differ from the run's recipe on --resume. The training budget that is not the schedule's
+    horizon (train.schedule_by) only says when to stop, so a run can be extended or cut short through it."""
+    if key == "train.max_minutes":
+        return recipe.train.schedule_by == "steps"
+    if key == "train.max_steps":
+        return recipe.train.schedule_by == "minutes"
+    return any(key == free or (free.endswith(".") and key.startswith(free)) for free in FREE_ON_RESUME)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1}} -> {"train.lr": 1}."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def recipe_changes(saved: dict, recipe: Any) -> dict[str, tuple[Any, Any]]:
+    """key -> (saved value, value now) for every key of `recipe` that differs from the `saved` resolved recipe.
+    A key `saved` lacks (one draftsmith added since) counts at its default; one it alone has is ignored."""
+    now = flatten(yaml.safe_load(dump_recipe(recipe)))
+    before = {**flatten(yaml.safe_load(dump_recipe(type(recipe)()))), **flatten(saved)}
+    return {key: (before.get(key), value) for key, value in now.items() if before.get(key) != value}
+
+
+def check_resume_recipe(out: Path, recipe: Any, allow_change: bool) -> list[str]:
+    """--resume: refuse a recipe that differs from the run's resolved_recipe.yaml in a key that changes what is
+    trained or measured, unless `allow_change` (--allow-recipe-change). Returns "key: old -> new" for every
+    changed key, to print."""
+    path = Path(out) / "resolved_recipe.yaml"
+    if not path.is_file():
+        return []
+    try:
+        saved = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        saved = None
+    if not isinstance(saved, dict):
+        if allow_change:
+            return []
+        raise RecipeError(f"--resume: {path} is not a YAML mapping: restore it, or pass --allow-recipe-change")
+    changes = recipe_changes(saved, recipe)
+    described = {key: f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items()}
+    blocking = [described[key] for key in changes if not free_on_resume(key, recipe)]
+    if blocking and not allow_change:
+        raise RecipeError(
+            f"--resume: the recipe differs from the run's resolved_recipe.yaml in {'; '.join(blocking)}: resume "
+            "with the run's values, or pass --allow-recipe-change to continue with the new ones"
+        )
+    return list(described.values())
 
 
 def export_best(checkpoint: Path, best: Path) -> None:
@@ -72,6 +144,40 @@ def export_best(checkpoint: Path, best: Path) -> None:
                 continue
             copy = shutil.copytree if item.is_dir() else shutil.copy2
             copy(item, tmp / item.name)
+
+
+def read_eval(directory: Path) -> dict | None:
+    """A checkpoint's (or best/'s) eval.json, or None when it has none."""
+    path = Path(directory) / "eval.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def selected_checkpoint(out: Path) -> Path | None:
+    """checkpoints/step-N that the history of the run's newest checkpoint selects as best, or None (no history)."""
+    found = newest_checkpoint(Path(out) / "checkpoints", require=TRAINER_STATE)
+    history = json.loads((found[1] / TRAINER_STATE).read_text()).get("history") if found else None
+    if not history:
+        return None
+    return Path(out) / "checkpoints" / f"step-{select_best([CheckpointInfo.from_dict(h) for h in history]).step}"
+
+
+def stale_best(out: Path) -> str | None:
+    """Why the run's best/ is not what the run selected, or None when it is (or there is nothing to compare).
+
+    best/ must be the checkpoint the newest history selects, and report.json (written when the run ends) must
+    state best/'s figures. A run stopped between renaming a new best into checkpoints/ and exporting it, or
+    resumed and stopped before its end, breaks one of the two until `--resume` finishes it."""
+    out = Path(out)
+    best = read_eval(out / "best")
+    if best is None:
+        return None
+    chosen = selected_checkpoint(out)
+    if chosen is not None and read_eval(chosen) not in (None, best):
+        return f"best/ is not {chosen.name}, the checkpoint the run's history selects"
+    report = out / "report.json"
+    if report.is_file() and json.loads(report.read_text()).get("best") != best:
+        return "report.json states other figures than best/eval.json"
+    return None
 
 
 class RunState:
@@ -91,10 +197,22 @@ class RunState:
     # ---- start
 
     def clean_temporaries(self) -> None:
-        """Remove what an interrupted run left half-written, restoring a best/ it was replacing."""
+        """Remove what an interrupted run left half-written, restoring a best/ it was replacing, and make best/
+        the checkpoint the history selects."""
         recover_replace(self.out / "best")
         clean_temporaries(self.out)
         clean_temporaries(self.ckpt_root)
+        self.reconcile_best()
+
+    def reconcile_best(self) -> bool:
+        """Re-export best/ when it is not the checkpoint the history selects: a run killed after renaming a new
+        best step-N into place and before exporting it leaves the old best/ behind (step-N is never pruned
+        before its export, so it is there to copy). True when best/ was replaced."""
+        chosen = selected_checkpoint(self.out)
+        if chosen is None or read_eval(chosen) in (None, read_eval(self.out / "best")):
+            return False
+        export_best(chosen, self.out / "best")
+        return True
 
     # ---- resume
 

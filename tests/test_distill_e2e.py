@@ -302,14 +302,30 @@ def test_existing_run_is_not_clobbered(full_run, assets, tmp_path):
     assert "--resume" in line and "--overwrite" in line
 
 
-def test_overwrite_refuses_a_directory_that_is_not_a_run(assets, tmp_path):
+@pytest.mark.parametrize("folder", ["", "checkpoints"])  # `mkdir -p x/checkpoints; echo hi > x/thesis.tex`
+def test_overwrite_refuses_a_directory_that_is_not_a_run(assets, tmp_path, folder):
     precious = tmp_path / "notes"
-    precious.mkdir()
-    (precious / "todo.txt").write_text("keep me")
+    (precious / folder).mkdir(parents=True)
+    (precious / "thesis.tex").write_text("keep me")
     recipe = write_recipe(tmp_path, recipe_dict(assets, precious))
     line = error_line(run_script("--recipe", str(recipe), "--overwrite"))
     assert "--overwrite" in line and "not empty" in line
-    assert (precious / "todo.txt").read_text() == "keep me"
+    assert (precious / "thesis.tex").read_text() == "keep me"
+    assert sorted(p.name for p in precious.iterdir()) == sorted({"thesis.tex", folder or "thesis.tex"})
+
+
+def test_resume_refuses_a_changed_recipe(assets, tmp_path):
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path, recipe_dict(assets, out))
+    resolved = run_script("--recipe", str(recipe), "--print-config").stdout
+    out.mkdir()
+    (out / "resolved_recipe.yaml").write_text(resolved)  # a run started with this recipe, before any checkpoint
+    (out / "draftsmith-run.json").write_text("{}")
+    line = error_line(run_script("--recipe", str(recipe), "--resume", "train.lr=1e-3", "distill.loss=fkl"))
+    assert "train.lr: 0.003 -> 0.001" in line and "distill.loss: 'jsd' -> 'fkl'" in line
+    assert "--allow-recipe-change" in line
+    assert (out / "resolved_recipe.yaml").read_text() == resolved
+    assert "--allow-recipe-change" in run_script("--help").stdout
 
 
 def test_full_disk(assets, tmp_path):

@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from distill.checkpoints import CheckpointInfo, beats, replace_dir, select_best, steps_to_keep, write_json_atomic
-from distill.config import Recipe, RecipeError
-from distill.run_state import RunState, prepare_output_dir
+from distill.config import Recipe, RecipeError, load_recipe, save_recipe
+from distill.run_state import RUN_MARKER, RunState, check_resume_recipe, is_run_dir, prepare_output_dir
 from distill.training import Timer, eval_metrics
 from tests.procs import HAS_PROC, child_pids, load_script, running
 
@@ -106,16 +107,43 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path):
     assert (precious / "chapter1.tex").read_text() == "years of work"
 
 
-def test_overwrite_replaces_a_run_dir_or_an_empty_one(tmp_path):
+def test_overwrite_never_takes_a_checkpoints_folder_for_a_run(tmp_path):
+    """`mkdir -p x/checkpoints; echo hi > x/thesis.tex`: a common folder name does not make a run."""
+    precious = tmp_path / "x"
+    (precious / "checkpoints").mkdir(parents=True)
+    (precious / "thesis.tex").write_text("hi")
+    (precious / "report.json").write_text("{}")
+    for resume, overwrite, match in (
+        (False, True, "refusing to delete it"),
+        (True, False, "--resume"),
+        (False, False, "no draftsmith-run.json"),
+    ):
+        with pytest.raises(RecipeError, match=match):
+            prepare_output_dir(precious, resume=resume, overwrite=overwrite)
+    assert (precious / "thesis.tex").read_text() == "hi"
+    assert sorted(p.name for p in precious.iterdir()) == ["checkpoints", "report.json", "thesis.tex"]
+
+
+def test_a_run_is_marked_when_it_starts_and_only_runs_are_overwritten(tmp_path):
     run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
+    prepare_output_dir(run, resume=False, overwrite=False)
+    assert sorted(p.name for p in run.iterdir()) == [RUN_MARKER]
+    (run / "checkpoints").mkdir()
     (run / "report.json").write_text("{}")
-    prepare_output_dir(run, resume=False, overwrite=True)
-    assert run.is_dir() and not any(run.iterdir())
-    prepare_output_dir(run, resume=False, overwrite=True)  # empty: fine too
-    with pytest.raises(RecipeError, match="--resume"):
-        (run / "report.json").write_text("{}")
+    with pytest.raises(RecipeError, match="holds an earlier run: pass --resume"):
         prepare_output_dir(run, resume=False, overwrite=False)
+    prepare_output_dir(run, resume=True, overwrite=False)  # continued in place
+    assert (run / "report.json").is_file()
+    prepare_output_dir(run, resume=False, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == [RUN_MARKER]
+    # a run written before the marker: recognised by the two files every run writes at its start
+    legacy = tmp_path / "legacy"
+    (legacy / "checkpoints" / "step-0").mkdir(parents=True)
+    (legacy / "resolved_recipe.yaml").write_text("output_dir: legacy\n")
+    (legacy / "metrics.jsonl").write_text("")
+    assert is_run_dir(legacy) and not is_run_dir(legacy / "checkpoints")
+    prepare_output_dir(legacy, resume=False, overwrite=True)
+    assert sorted(p.name for p in legacy.iterdir()) == [RUN_MARKER]
 
 
 def test_write_json_atomic_fsyncs_file_and_directory(tmp_path, monkeypatch):
@@ -153,6 +181,126 @@ def test_a_replace_killed_between_its_renames_keeps_the_old_best(tmp_path):
     state.clean_temporaries()
     assert (tmp_path / "best" / "model.safetensors").read_text() == "old weights"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+
+
+def bench_result(step: int, speedup: float) -> dict:
+    """The figures a checkpoint's eval.json holds (what train/distill.py adds included)."""
+    return {
+        "step": step, "speedup": {"vs_target": speedup, "vs_target_ci95": None}, "acceptance_rate": 0.5,
+        "mean_accepted_length": 2.0, "num_draft_tokens": 3, "temperature": 0.0, "new_tokens": 12, "train_loss": None,
+    }  # fmt: skip
+
+
+# The crash point: checkpoints/step-3, the new best, has been renamed into place; best/ is not yet replaced.
+KILLED_BEFORE_EXPORT = """
+import json, os, signal, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import distill.run_state as rs
+from distill.config import Recipe
+from tests.tiny import CHAR_VOCAB, char_tokenizer, tiny_llama
+
+export = rs.export_best
+def export_or_die(checkpoint, best):
+    if checkpoint.name != "step-0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    export(checkpoint, best)
+rs.export_best = export_or_die
+
+state = rs.RunState(Path(sys.argv[2]), Recipe())
+draft, tokenizer = tiny_llama(CHAR_VOCAB, 0), char_tokenizer()
+for step, result in json.loads(sys.argv[3]):
+    tmp = state.tmp_dir(step)
+    (tmp / "state").mkdir(parents=True)  # what accelerator.save_state writes first
+    state.finish_checkpoint(draft, tokenizer, step, result, tmp)
+"""
+
+
+def test_a_kill_before_best_is_exported_is_repaired_by_resume_and_never_published(tmp_path):
+    from distill.publish import PublishError, resolve_source
+
+    out = tmp_path / "run"
+    results = [(0, bench_result(0, 1.0)), (3, bench_result(3, 2.0))]  # step 3 is clearly faster: the new best
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    code = [sys.executable, "-c", KILLED_BEFORE_EXPORT, str(REPO), str(out), json.dumps(results)]
+    proc = subprocess.run(code, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert (out / "checkpoints" / "step-3" / "eval.json").is_file()
+    assert json.loads((out / "best" / "eval.json").read_text())["step"] == 0  # the crash left the old best
+    with pytest.raises(PublishError, match="best/ is not step-3, the checkpoint the run's history selects"):
+        resolve_source(out / "best")
+
+    state = RunState(out, Recipe())  # what --resume does first: the main process cleans up, every one restores
+    state.clean_temporaries()
+    assert state.restore()[0] == 3
+    assert json.loads((out / "best" / "eval.json").read_text()) == results[1][1]
+    report = state.report(checksums=[0.0], world=1)
+    assert report["best_step"] == 3 and report["best"]["step"] == 3
+    write_json_atomic(out / "report.json", report)
+    assert resolve_source(out).step == 3 and resolve_source(out / "best").eval == results[1][1]
+
+
+def test_publish_refuses_a_report_that_is_not_best(tmp_path):
+    """A finished run resumed to train longer and stopped after a new best: report.json still states the old one."""
+    best = tmp_path / "run" / "best"
+    best.mkdir(parents=True)
+    (best / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    write_json_atomic(best / "eval.json", bench_result(9, 2.0))
+    write_json_atomic(tmp_path / "run" / "report.json", {"base": {}, "best": bench_result(6, 1.5), "best_step": 6})
+    from distill.publish import PublishError, resolve_source
+
+    for source in (tmp_path / "run", best):
+        with pytest.raises(PublishError, match="report.json states other figures than best/eval.json"):
+            resolve_source(source)
+
+
+# ---------------------------------------------------------------- --resume with a changed recipe
+
+
+def saved_recipe(tmp_path: Path, *overrides: str) -> tuple[Path, Recipe]:
+    out = tmp_path / "run"
+    recipe = load_recipe(None, [f"output_dir={out}", "train.lr=3e-3", *overrides])
+    save_recipe(recipe, out)
+    return out, recipe
+
+
+def test_resume_refuses_a_changed_recipe_naming_each_key(tmp_path):
+    out, recipe = saved_recipe(tmp_path)
+    assert check_resume_recipe(out, recipe, allow_change=False) == []
+    changed = load_recipe(None, [f"output_dir={out}", "train.lr=1e-3", "distill.loss=rkl"])
+    with pytest.raises(RecipeError) as err:
+        check_resume_recipe(out, changed, allow_change=False)
+    line = str(err.value)
+    assert "\n" not in line and "--allow-recipe-change" in line
+    assert "distill.loss: 'fkl' -> 'rkl'" in line and "train.lr: 0.003 -> 0.001" in line
+    allowed = check_resume_recipe(out, changed, allow_change=True)
+    assert sorted(allowed) == ["distill.loss: 'fkl' -> 'rkl'", "train.lr: 0.003 -> 0.001"]
+
+
+def test_resume_accepts_keys_that_change_neither_training_nor_measurement(tmp_path):
+    out, recipe = saved_recipe(tmp_path)
+    free = ["log.every=7", "publish.repo_id=me/draft", "eval.keep_top_k=5", "train.max_minutes=30"]
+    changed = load_recipe(None, [f"output_dir={out}", "train.lr=3e-3", *free])
+    assert len(check_resume_recipe(out, changed, allow_change=False)) == 4
+    # with schedule_by=minutes max_minutes is the lr schedule's horizon, and max_steps only caps the run
+    out, recipe = saved_recipe(tmp_path, "train.schedule_by=minutes", "train.max_minutes=10")
+    longer = load_recipe(
+        None, [f"output_dir={out}", "train.lr=3e-3", "train.schedule_by=minutes", "train.max_minutes=20"]
+    )
+    longer.train.max_steps = 10_000
+    with pytest.raises(RecipeError, match=r"in train.max_minutes: 10.0 -> 20.0: resume"):
+        check_resume_recipe(out, longer, allow_change=False)
+
+
+def test_resume_compares_keys_a_saved_recipe_lacks_at_their_default(tmp_path):
+    out, recipe = saved_recipe(tmp_path)
+    saved = yaml.safe_load((out / "resolved_recipe.yaml").read_text())
+    del saved["distill"]["loss_positions"]  # a key the run's version of draftsmith did not have
+    (out / "resolved_recipe.yaml").write_text(yaml.safe_dump(saved))
+    assert check_resume_recipe(out, recipe, allow_change=False) == []
+    recipe.distill.loss_positions = "all"
+    with pytest.raises(RecipeError, match="distill.loss_positions: 'completion' -> 'all'"):
+        check_resume_recipe(out, recipe, allow_change=False)
 
 
 # ---------------------------------------------------------------- the training-time budget

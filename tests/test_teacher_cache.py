@@ -91,11 +91,31 @@ def test_sequence_key_separates_prompt_and_completion():
     [
         (["distill.cache_teacher=true"], r"distill.cache_teacher: .*set distill.top_k"),
         (["distill.cache_teacher=true", "distill.top_k=8", "distill.source=draft"], r"never come back"),
+        *(
+            (
+                [
+                    "distill.cache_teacher=true",
+                    "distill.top_k=8",
+                    f"distill.source={source}",
+                    "distill.cache_rollouts=false",
+                ],
+                r"distill.cache_teacher: .*grows without bound: set cache_rollouts=true",
+            )
+            for source in ("target", "mix", "schedule")
+        ),
     ],
 )
 def test_cache_teacher_config_errors(overrides, match):
     with pytest.raises(RecipeError, match=match):
         load_recipe(None, overrides)
+
+
+def test_cache_teacher_without_the_rollout_cache_is_bounded_by_a_dataset():
+    """source=fixed trains on the dataset's own completions: they come back every epoch, cache or not."""
+    recipe = load_recipe(
+        None, ["distill.cache_teacher=true", "distill.top_k=8", "distill.source=fixed", "distill.cache_rollouts=false"]
+    )
+    assert recipe.distill.cache_teacher and not recipe.distill.cache_rollouts
 
 
 @pytest.mark.slow

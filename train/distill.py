@@ -50,7 +50,7 @@ from distill.checkpoints import (  # noqa: E402
 from distill.config import Recipe, RecipeError, dump_recipe, load_recipe, save_recipe, to_dict  # noqa: E402
 from distill.engines import measure_extra_engines  # noqa: E402
 from distill.models import resolve_mixed_precision, slow_bf16_warning  # noqa: E402
-from distill.run_state import RunState, prepare_output_dir  # noqa: E402
+from distill.run_state import RunState, check_resume_recipe, prepare_output_dir  # noqa: E402
 from distill.training import (  # noqa: E402
     MetricsLog,
     Timer,
@@ -90,6 +90,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recipe", help=f"YAML recipe (default: {QUICKSTART.relative_to(REPO)})")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="delete a run already in output_dir first")
+    parser.add_argument(
+        "--allow-recipe-change",
+        action="store_true",
+        help="with --resume: continue although the recipe changes keys that alter training or evaluation "
+        "(they are printed; without this flag --resume refuses them)",
+    )
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached quickstart pair")
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4 eval.every=50")
@@ -194,6 +200,9 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         resolve_local_artifacts(recipe, args.rebuild, accelerator.is_main_process)
         draft_init.resolve_draft_init(recipe, out)  # draft.init=truncate: build the draft from the target once
     if accelerator.is_main_process:
+        if args.resume:  # the resolved recipe is compared with the run's before it is replaced
+            for change in check_resume_recipe(out, recipe, args.allow_recipe_change):
+                print(f"--resume: recipe changed: {change}")
         state.clean_temporaries()
         save_recipe(recipe, out)
     rank, world = accelerator.process_index, accelerator.num_processes
