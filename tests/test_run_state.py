@@ -130,7 +130,7 @@ def test_a_run_is_marked_when_it_starts_and_only_runs_are_overwritten(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == [RUN_MARKER]
     (run / "checkpoints").mkdir()
     (run / "report.json").write_text("{}")
-    with pytest.raises(RecipeError, match="holds an earlier run: pass --resume"):
+    with pytest.raises(RecipeError, match="already holds a run: pass --resume"):
         prepare_output_dir(run, resume=False, overwrite=False)
     prepare_output_dir(run, resume=True, overwrite=False)  # continued in place
     assert (run / "report.json").is_file()
