@@ -17,7 +17,8 @@ the one a model ships (repetition penalties, minimum lengths, suppressed tokens 
 the output compared).
 
 ``speedup.vs_target_ci95`` is a 95% bootstrap interval from the paired per-batch timings (per repeat with a single
-batch): how far the speedup can be trusted on this machine, e.g. to tell two checkpoints apart.
+batch). With several batches it holds the spread between prompts, not only the timing noise: two checkpoints
+benched on the same prompts are compared by their per-batch speedups (``speedup_per_batch``), pair by pair.
 """
 
 from __future__ import annotations
@@ -237,20 +238,43 @@ def _paired(times: dict, tokens: dict, fast: str, base: str) -> tuple[list, list
     """Paired (tokens, seconds) units of two methods: per batch the medians over repeats (as ``_rate``), or with a
     single batch its repeats (each repeat ran both methods back to back)."""
     if len(times[fast]) > 1:
-        units = [
-            [(statistics.median(tokens[m][b]), statistics.median(times[m][b])) for b in times[m]] for m in (fast, base)
-        ]
-        return units[0], units[1]
+        return _batch_medians(times, tokens, fast), _batch_medians(times, tokens, base)
     return (
         [(n, t) for n, t in zip(tokens[fast][0], times[fast][0])],
         [(n, t) for n, t in zip(tokens[base][0], times[base][0])],
     )
 
 
+def _batch_medians(times: dict, tokens: dict, method: str) -> list[tuple[float, float]]:
+    """(tokens, seconds) of each batch: the medians over repeats, as ``_rate`` takes them."""
+    return [(statistics.median(tokens[method][b]), statistics.median(times[method][b])) for b in times[method]]
+
+
+def _per_batch(times: dict, tokens: dict, fast: str, base: str | None, batch_ids: list[list[str]]) -> dict | None:
+    """Each batch's speedup of ``fast`` over ``base``, beside the ids of its prompts.
+
+    Two checkpoints benched on the same prompts are compared batch by batch (``distill.checkpoints.beats``): what
+    a prompt does to both (a long prompt, an easy continuation) cancels, and what is left is the draft and the
+    timing noise. The bootstrap over batches in ``vs_target_ci95`` keeps that prompt spread in."""
+    if base is None:
+        return None
+    speedups = [
+        nf / tf * tb / nb if tf > 0 and nb > 0 else None
+        for (nf, tf), (nb, tb) in zip(_batch_medians(times, tokens, fast), _batch_medians(times, tokens, base))
+    ]
+    return {"prompt_ids": batch_ids, "vs_target": speedups}
+
+
 def _ci(times: dict, tokens: dict, fast: str, base: str | None) -> list[float] | None:
     if base is None or fast not in times or base not in times:
         return None
     return speedup_ci95(*_paired(times, tokens, fast, base))
+
+
+def _batch_ids(prompts: Sequence[dict], batch_size: int) -> list[list[str]]:
+    """The prompt ids of each batch, as ``make_batches`` cuts them (a prompt without an id: its index)."""
+    ids = [str(p.get("id", i)) for i, p in enumerate(prompts)]
+    return [ids[start : start + batch_size] for start in range(0, len(ids), batch_size)]
 
 
 def _rate(times: dict, tokens: dict, method: str) -> float | None:
@@ -446,6 +470,7 @@ def run_bench(
         "repeats": repeats,
         "seed": seed,
         "hf_assisted_config": _describe(settings["defaults"]) if hf_run else None,
+        "speedup_per_batch": _per_batch(times, tokens, "speculative", target_method, _batch_ids(prompts, batch_size)),
         "hf_assisted_ci95": {
             "vs_hf_assisted": _ci(times, tokens, "speculative", "hf_assisted"),
             "vs_hf_assisted_published": _ci(times, tokens, "speculative", "hf_assisted_published"),

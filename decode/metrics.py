@@ -12,7 +12,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -187,17 +187,34 @@ def speedup_ci95(
     """
     if len(fast) != len(base):
         raise ValueError(f"paired timings differ in length: {len(fast)} vs {len(base)}")
-    n = len(fast)
+
+    def estimate(picks: list[int]) -> float | None:
+        fast_s, base_s = sum(fast[i][1] for i in picks), sum(base[i][1] for i in picks)
+        base_n = sum(base[i][0] for i in picks)
+        if fast_s > 0 and base_n > 0:
+            return sum(fast[i][0] for i in picks) / fast_s * base_s / base_n
+        return None
+
+    return _bootstrap_ci95(len(fast), estimate, resamples, seed)
+
+
+def mean_ci95(values: Sequence[float], *, resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """95% bootstrap interval on the mean of ``values`` (percentile, fixed seed); None with fewer than two."""
+    return _bootstrap_ci95(len(values), lambda picks: sum(values[i] for i in picks) / len(picks), resamples, seed)
+
+
+def _bootstrap_ci95(
+    n: int, estimate: Callable[[list[int]], float | None], resamples: int, seed: int
+) -> list[float] | None:
+    """Percentile bootstrap over ``n`` units: ``estimate`` of each resample of unit indices (None: skipped)."""
     if n < 2:
         return None
     rng = random.Random(seed)
     estimates = []
     for _ in range(resamples):
-        picks = [rng.randrange(n) for _ in range(n)]
-        fast_s, base_s = sum(fast[i][1] for i in picks), sum(base[i][1] for i in picks)
-        base_n = sum(base[i][0] for i in picks)
-        if fast_s > 0 and base_n > 0:
-            estimates.append(sum(fast[i][0] for i in picks) / fast_s * base_s / base_n)
+        value = estimate([rng.randrange(n) for _ in range(n)])
+        if value is not None:
+            estimates.append(value)
     if not estimates:
         return None
     estimates.sort()

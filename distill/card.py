@@ -144,8 +144,30 @@ def card_data(info: dict, repo_id: str) -> ModelCardData:
 # ---------------------------------------------------------------- body
 
 
+def _columns(info: dict, step: str) -> list[tuple[str, dict]]:
+    """The figure table's columns. Where training measured the draft otherwise than as uploaded (QLoRA), each
+    column says what it measured and on how many prompts; base and this draft compare within the same kind."""
+    best, base, trained_on = info["best"], info.get("base"), info.get("training_measured_on")
+    if not trained_on:  # every column measured alike, by the training-time evaluation
+        return [*([("base draft", base)] if base else []), (f"this draft ({step})", best)]
+
+    def during_training(ev: dict) -> str:
+        return f"training-time eval on {trained_on}, {ev.get('n_prompts', 'n/a')} prompts"
+
+    columns = [(f"base draft ({during_training(base)})", base)] if base else []
+    if not info.get("training_eval"):  # not re-measured: this draft's figures are the training-time ones too
+        return [*columns, (f"this draft ({step}; {during_training(best)})", best)]
+    trained = info["training_eval"]
+    uploaded = f"as uploaded: merged, re-measured at publish time, {best.get('n_prompts', 'n/a')} prompts"
+    return [
+        *columns,
+        (f"this draft ({step}; {during_training(trained)})", trained),
+        (f"this draft ({uploaded})", best),
+    ]
+
+
 def _figures(info: dict) -> list[str]:
-    best, base = info["best"], info.get("base")
+    best = info["best"]
     step = f"step {info['best_step']}" if info.get("best_step") is not None else info["checkpoint"]
     engine = engine_of(best)
     lines = [
@@ -155,8 +177,7 @@ def _figures(info: dict) -> list[str]:
         "warm-up first, methods interleaved prompt by prompt, median of repeats.",
         "",
     ]
-    columns = [("base draft", base)] if base else []
-    lines += _table([*columns, (f"this draft ({step})", best)])
+    lines += _table(_columns(info, step))
     ppa = best.get("per_position_acceptance") or []
     lines += [
         "",

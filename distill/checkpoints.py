@@ -4,9 +4,8 @@ A checkpoint directory is written under a temporary name and renamed when comple
 moment leaves either a whole `checkpoints/step-N/` or nothing under that name. Temporary leftovers
 (`.tmp-*`) are removed at the next start.
 
-Selection never trusts one noisy timing: each checkpoint carries a 95% interval on its speedup, and a later
-checkpoint replaces the incumbent best only when its interval's lower bound is above the incumbent's speedup
-(see `select_best`).
+Selection never trusts one noisy timing: a later checkpoint replaces the incumbent best only when it is faster
+beyond the noise, judged on the per-batch speedups both measured on the same prompts (see `beats`).
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from decode.metrics import mean_ci95
+
 STEP_RE = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-"
 
@@ -35,6 +36,8 @@ class CheckpointInfo:
     then the point value itself). `train_minutes` is the train.max_minutes clock at that step (0 at step 0;
     None in rows written before it was recorded), so the checkpoints form a curve against training time.
     `tau` is the mean accepted length (tokens per target pass; None in rows written before it was recorded).
+    `per_batch` is the bench's `speedup_per_batch` (each batch's prompt ids and speedup; None when the bench or
+    the row has none).
     """
 
     step: int
@@ -44,6 +47,7 @@ class CheckpointInfo:
     speedup_ci95: tuple[float, float] | None = None
     train_minutes: float | None = None
     tau: float | None = None
+    per_batch: dict[str, list] | None = None
 
     @property
     def interval(self) -> tuple[float, float]:
@@ -59,6 +63,7 @@ class CheckpointInfo:
             "loss": self.loss,
             "train_minutes": self.train_minutes,
             "mean_accepted_length": self.tau,
+            "speedup_per_batch": self.per_batch,
         }
 
     @classmethod
@@ -73,6 +78,7 @@ class CheckpointInfo:
             tuple(ci) if ci else None,
             row.get("train_minutes"),
             row.get("mean_accepted_length"),
+            row.get("speedup_per_batch"),
         )
 
     @classmethod
@@ -86,6 +92,7 @@ class CheckpointInfo:
             speedup_ci95=speedup_ci95(result),
             train_minutes=result.get("train_minutes"),
             tau=result.get("mean_accepted_length"),
+            per_batch=result.get("speedup_per_batch"),
         )
 
 
@@ -258,18 +265,49 @@ def _tokens_per_pass(challenger: CheckpointInfo, incumbent: CheckpointInfo) -> t
     return challenger.acceptance_rate, incumbent.acceptance_rate
 
 
+def paired_ratio_ci95(challenger: CheckpointInfo, incumbent: CheckpointInfo) -> tuple[float, float] | None:
+    """95% interval on how much faster `challenger` is than `incumbent` on the same prompts (1.0: alike).
+
+    The statistic is the mean over batches of log(challenger's speedup / incumbent's) on each batch, bootstrapped
+    over batches and reported as a ratio: a prompt's own difficulty is in both speedups and cancels. None unless
+    both carry per-batch figures on the same prompts, batch for batch (pairing different prompts would compare
+    the prompts), and there are two batches or more.
+    """
+    if not challenger.per_batch or not incumbent.per_batch:
+        return None
+    if challenger.per_batch["prompt_ids"] != incumbent.per_batch["prompt_ids"]:
+        return None
+    logs = [
+        math.log(mine / theirs)
+        for mine, theirs in zip(challenger.per_batch["vs_target"], incumbent.per_batch["vs_target"])
+        if mine and theirs and mine > 0 and theirs > 0
+    ]
+    ci = mean_ci95(logs)
+    return (math.exp(ci[0]), math.exp(ci[1])) if ci else None
+
+
 def beats(challenger: CheckpointInfo, incumbent: CheckpointInfo) -> bool:
     """Whether `challenger` should replace `incumbent` as the best checkpoint.
 
+    Where both carry per-batch speedups on the same prompts, by the paired interval (`paired_ratio_ci95`):
+    - clearly faster (the interval above 1): yes; clearly slower (below 1): no.
+    Otherwise (rows without them, other prompts, one batch) by each one's own interval, whose spread is timing
+    noise alone with one batch (its repeats) and holds the prompt spread as well with several:
     - clearly faster (its interval's lower bound above the incumbent's speedup): yes;
-    - clearly slower (the incumbent's lower bound above its speedup): no;
-    - otherwise the two are within the timing noise: the more tokens per target pass win (tau, else the
-      acceptance rate: properties of the tokens, free of timing noise), and on a tie the later step.
-    Without intervals (lo = hi = speedup) this is: higher speedup, then tau (else acceptance), then the later step.
+    - clearly slower (the incumbent's lower bound above its speedup): no.
+    Within the noise, the more tokens per target pass win (tau, else the acceptance rate: properties of the
+    tokens, free of timing noise), and on a tie the later step. Without any interval (lo = hi = speedup) this
+    is: higher speedup, then tau (else acceptance), then the later step.
     """
-    if challenger.interval[0] > incumbent.speedup:
+    paired = paired_ratio_ci95(challenger, incumbent)
+    if paired is not None:
+        if paired[0] > 1.0:
+            return True
+        if paired[1] < 1.0:
+            return False
+    elif challenger.interval[0] > incumbent.speedup:
         return True
-    if incumbent.interval[0] > challenger.speedup:
+    elif incumbent.interval[0] > challenger.speedup:
         return False
     mine, theirs = _tokens_per_pass(challenger, incumbent)
     if mine != theirs:
@@ -278,7 +316,7 @@ def beats(challenger: CheckpointInfo, incumbent: CheckpointInfo) -> bool:
 
 
 def select_best(infos: list[CheckpointInfo]) -> CheckpointInfo:
-    """The best checkpoint by measured speedup beyond the noise: walking the checkpoints in step order, each
+    """The best checkpoint by measured speedup beyond the timing noise: walking the checkpoints in step order, each
     replaces the incumbent only when it `beats` it. Never by the loss."""
     if not infos:
         raise ValueError("no evaluated checkpoints to select from")

@@ -281,7 +281,11 @@ class EvalConfig:
     top_k: int = _f(0, "top-k sampling for eval decoding (0: off)")
     num_draft_tokens: int | str = _f(4, "gamma, or 'auto'")
     batch_size: int = _f(1, "eval decoding batch size")
-    repeats: int = _f(3, "timing repeats per evaluation (median; their spread gives the speedup interval)")
+    repeats: int = _f(
+        3,
+        "timing repeats per evaluation (per batch the median); best/ compares checkpoints batch by batch on the "
+        "same prompts, beyond the timing noise",
+    )
     hf_assisted: bool = _f(True, "also time HF generate(assistant_model=draft) (batch 1) for the card's vs-HF figure")
     keep_top_k: int = _f(2, "checkpoints kept, ranked by measured speedup (ties: tau)")
     engine: str = _f("draftsmith", "what measures every evaluation (eval.json): draftsmith or vllm")

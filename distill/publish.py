@@ -255,8 +255,8 @@ def scrub(obj: Any) -> Any:
 # ---------------------------------------------------------------- which figures describe the upload
 
 
-def eval_not_on_upload(src: PublishSource) -> str | None:
-    """Why the checkpoint's eval was not measured on the weights that are uploaded, or None when it was.
+def training_measured_on(src: PublishSource) -> str | None:
+    """What training measured the draft as, where that is not the weights that are uploaded; None when it is.
 
     The upload is always dense merged weights. Training measures a LoRA draft merged (the same weights), but a
     QLoRA draft on its quantized base with the adapters unmerged: other weights, other speed.
@@ -264,8 +264,14 @@ def eval_not_on_upload(src: PublishSource) -> str | None:
     quant = recipe_get(src.recipe, "draft.quantization") or {}
     if isinstance(quant, dict) and (quant.get("load_in_4bit") or quant.get("load_in_8bit")):
         bits = "4-bit" if quant.get("load_in_4bit") else "8-bit"
-        return f"was measured on the {bits} base with unmerged LoRA adapters (QLoRA)"
+        return f"the {bits} base with unmerged LoRA adapters (QLoRA)"
     return None
+
+
+def eval_not_on_upload(src: PublishSource) -> str | None:
+    """Why the checkpoint's eval was not measured on the weights that are uploaded, or None when it was."""
+    measured_on = training_measured_on(src)
+    return f"was measured on {measured_on}" if measured_on else None
 
 
 def _eval_prompts(recipe_path: Path, limit: int) -> list[dict]:
@@ -543,6 +549,8 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
         "vocab_size": {"draft": old_vocab, "target": target_vocab, "published": vocab},
         "tokenizer_from": tokenizer_from,
         "measured_on_uploaded_weights": reason is None or training_eval is not None,
+        # what the training-time evals (base, checkpoints, training_eval) ran on, when not the uploaded weights
+        "training_measured_on": training_measured_on(src),
         "notes": notes,
         "best": best,
         "engines": {k: v for k, v in src.engines.items() if k != engine_of(best)},

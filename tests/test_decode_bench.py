@@ -176,6 +176,10 @@ def test_run_bench_greedy_contract(tmp_path, gamma):
     lo, hi = result["speedup"]["vs_target_ci95"]  # three prompts: three paired batches
     assert 0 < lo <= hi
     assert all(0 < lo <= hi for lo, hi in result["hf_assisted_ci95"].values())
+    # Per batch, the speedup beside its prompts: what best/ selection pairs two checkpoints on.
+    per_batch = result["speedup_per_batch"]
+    assert per_batch["prompt_ids"] == [["t0"], ["t1"], ["t2"]]
+    assert len(per_batch["vs_target"]) == 3 and all(s > 0 for s in per_batch["vs_target"])
     # Under auto the published gamma is the rounded mean of the warm-up run (timing-driven, so not re-derivable
     # from the timed runs' mean): a whole number of tokens within auto's range.
     published = 3 if gamma == 3 else result["hf_assisted_settings"]["published"]["num_assistant_tokens"]
@@ -241,6 +245,7 @@ def test_run_bench_sampling_batched_target_only():
     assert result["tokens_per_s"]["hf_assisted"] is None and result["speedup"]["vs_hf_assisted"] is None
     assert result["hf_assisted_settings"] is None and result["speedup"]["vs_hf_assisted_published"] is None
     assert result["batch_size"] == 2 and result["speedup"]["vs_target"] > 0
+    assert result["speedup_per_batch"]["prompt_ids"] == [["t0", "t1"], ["t2"]]  # as make_batches cuts them
 
 
 def test_hf_baselines_ignore_the_models_generation_configs():

@@ -110,6 +110,9 @@ def test_run_directory_contract(full_run):
     assert all(report[k]["speedup"]["vs_hf_assisted"] > 0 for k in ("base", "best"))
     # best/ is chosen by measured speedup beyond its noise interval, not by the lowest loss
     assert all("speedup_ci95" in c for c in report["checkpoints"])
+    # ... compared pairwise on the same prompts: every evaluation records each batch's speedup and prompt ids
+    ids = [c["speedup_per_batch"]["prompt_ids"] for c in report["checkpoints"]]
+    assert len(ids[0]) > 1 and all(i == ids[0] for i in ids)
     best = select_best([CheckpointInfo.from_dict(c) for c in report["checkpoints"]])
     assert report["best_step"] == best.step
     best_eval = json.loads((out / "best" / "eval.json").read_text())

@@ -341,6 +341,30 @@ def test_card_front_matter_with_hub_ids():
     assert "its other rows are zero and those engines propose from the same tokens" in card
 
 
+def test_qlora_card_columns_say_what_each_measured():
+    """A re-measured QLoRA draft: the base's figures are training-time ones (4-bit base, eval.num_prompts prompts),
+    the upload's are merged weights on fewer prompts. The card sets the training-time figures of both side by side
+    and labels every column with what it measured, never base-at-4-bit beside best-merged unlabelled."""
+    trained = {**BEST, "acceptance_rate": 0.5}
+    uploaded = {**BEST, "n_prompts": 8, "acceptance_rate": 0.6}
+    info = {
+        "target": "t/t", "base_model": "b/b", "checkpoint": "best", "best_step": 30, "method": "QLoRA r=16, merged",
+        "num_assistant_tokens": 4, "hardware": "cpu", "prompts": "p.jsonl", "best": uploaded, "base": BASE,
+        "training_eval": trained, "training_measured_on": "the 4-bit base with unmerged LoRA adapters (QLoRA)",
+    }  # fmt: skip
+    card = pub.render_model_card(info, "me/x")
+    during = "training-time eval on the 4-bit base with unmerged LoRA adapters (QLoRA), 12 prompts"
+    header = (
+        f"| | base draft ({during}) | this draft (step 30; {during}) "
+        "| this draft (as uploaded: merged, re-measured at publish time, 8 prompts) |"
+    )
+    assert header in card
+    assert "| acceptance rate (accepted / drafted tokens) | 0.411 | 0.500 | 0.600 |" in card
+    # measured alike (no QLoRA): the plain two columns
+    plain = {k: v for k, v in info.items() if k not in ("training_eval", "training_measured_on")}
+    assert "| | base draft | this draft (step 30) |" in pub.render_model_card({**plain, "best": trained}, "me/x")
+
+
 @pytest.mark.parametrize(
     "repo_id",
     [
@@ -685,7 +709,9 @@ def test_qlora_draft_is_remeasured_on_the_merged_upload(qlora_run, tmp_path, cap
     assert again["acceptance_rate"] == best["acceptance_rate"]
     card = (out / "README.md").read_text()
     assert "re-measured at publish time on the uploaded merged weights (4 eval prompts)" in card
-    assert f"| acceptance rate (accepted / drafted tokens) | 0.411 | {best['acceptance_rate']:.3f} |" in card
+    # base and this draft side by side as training measured both; the upload's own figure in its own column
+    assert f"| acceptance rate (accepted / drafted tokens) | 0.411 | 0.123 | {best['acceptance_rate']:.3f} |" in card
+    assert "| this draft (as uploaded: merged, re-measured at publish time, 4 prompts) |" in card
     for name, text in uploaded_texts(out).items():  # the re-measured figures name no local path either
         assert str(qlora_run.parent) not in text and "/tmp/" not in text, name
 
@@ -695,10 +721,11 @@ def test_qlora_no_remeasure_says_so(qlora_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     info = json.loads((tmp_path / "out" / "draftsmith_eval.json").read_text())
     assert info["best"] == QLORA_EVAL and info["measured_on_uploaded_weights"] is False
-    assert (
-        "was measured on the 4-bit base with unmerged LoRA adapters (QLoRA), not on the uploaded"
-        in (tmp_path / "out" / "README.md").read_text()
-    )
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "was measured on the 4-bit base with unmerged LoRA adapters (QLoRA), not on the uploaded" in card
+    # both columns are the training-time evals, and say so
+    during = "training-time eval on the 4-bit base with unmerged LoRA adapters (QLoRA), 12 prompts"
+    assert f"| | base draft ({during}) | this draft (step 10; {during}) |" in card
 
 
 def test_qlora_without_eval_prompts_is_refused(qlora_run, tmp_path):

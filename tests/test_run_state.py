@@ -67,6 +67,57 @@ def test_without_intervals_selection_is_by_point_speedup():
     assert select_best(infos).step == 9
 
 
+PROMPT_SPREAD = [0.90, 1.00, 1.10, 1.20, 1.30, 1.40, 1.50, 1.60]  # one checkpoint's speedup on 8 eval prompts
+
+
+def _eval(ratio: float, ci: list[float], tau: float, jitter: float = 0.01, ids: str = "p") -> dict:
+    """A bench result whose per-prompt speedups are PROMPT_SPREAD times `ratio`, give or take `jitter` (timing
+    noise), and whose own interval `ci` (the bootstrap over prompts) holds the prompt spread."""
+    per_prompt = [s * ratio * (1 + jitter * (-1) ** i) for i, s in enumerate(PROMPT_SPREAD)]
+    return {
+        "speedup": {"vs_target": sum(per_prompt) / len(per_prompt), "vs_target_ci95": ci},
+        "speedup_per_batch": {"prompt_ids": [[f"{ids}{i}"] for i in range(8)], "vs_target": per_prompt},
+        "acceptance_rate": 0.5,
+        "mean_accepted_length": tau,
+    }
+
+
+def _select(tmp_path, results: dict[int, dict]) -> int:
+    """The step select_best picks from these eval results, recorded as a run records them."""
+    state = RunState(tmp_path, Recipe())
+    for step, result in results.items():
+        state.record(step, result)
+    return select_best(state.infos()).step
+
+
+def test_paired_per_prompt_speedups_decide_what_prompt_spread_hides(tmp_path):
+    """The incumbent's interval over prompts ([1.05, 1.45]) overlaps the challenger's, so each one's own interval
+    calls the two a tie and tau picks; on the same prompts the challenger is 6% faster on every one (and 5%
+    slower on every one in the converse): beyond the timing noise, whatever tau says."""
+    incumbent = _eval(1.00, [1.05, 1.45], tau=2.0)
+    faster = _eval(1.06, [1.11, 1.54], tau=1.9)
+    assert _select(tmp_path, {10: incumbent, 20: faster}) == 20
+    slower = _eval(0.95, [1.00, 1.38], tau=2.1)
+    assert _select(tmp_path, {10: incumbent, 20: slower}) == 10
+    # Per prompt as often faster as slower (6% either way): within the noise, so tau decides.
+    mixed = _eval(1.00, [1.05, 1.45], tau=2.1, jitter=0.06)
+    assert _select(tmp_path, {10: incumbent, 20: mixed}) == 20
+    assert _select(tmp_path, {10: incumbent, 20: {**mixed, "mean_accepted_length": 1.9}}) == 10
+
+
+def test_without_pairs_on_the_same_prompts_each_ones_interval_decides(tmp_path):
+    incumbent = _eval(1.00, [1.05, 1.45], tau=2.0)
+    faster = _eval(1.06, [1.11, 1.54], tau=1.9)
+    # eval.json written without per-batch figures: the interval rule, a tie that tau settles
+    old = {k: v for k, v in faster.items() if k != "speedup_per_batch"}
+    assert _select(tmp_path, {10: incumbent, 20: old}) == 10
+    # other prompts: nothing to pair
+    assert _select(tmp_path, {10: incumbent, 20: _eval(1.06, [1.11, 1.54], tau=1.9, ids="q")}) == 10
+    # one batch: no interval over pairs; the own interval (its repeats) decides
+    one = {**faster, "speedup_per_batch": {"prompt_ids": [["p0"]], "vs_target": [1.3]}}
+    assert _select(tmp_path, {10: {**incumbent, "speedup_per_batch": one["speedup_per_batch"]}, 20: one}) == 10
+
+
 def test_the_selected_best_is_always_kept():
     base = info(0, 1.20, (1.15, 1.25), acceptance=0.50)
     noisy = [info(s, 1.22, (1.0, 1.44), acceptance=0.40) for s in (10, 20)]  # higher points, all noise
@@ -79,7 +130,8 @@ def test_interval_recorded_in_history_report_and_metrics(tmp_path):
     result = {"speedup": {"vs_target": 1.3, "vs_target_ci95": [1.1, 1.5]}, "acceptance_rate": 0.6, "train_loss": 2.0}
     state.record(4, result)
     row = {"step": 4, "speedup": 1.3, "speedup_ci95": [1.1, 1.5], "acceptance_rate": 0.6, "loss": 2.0}
-    row["train_minutes"] = row["mean_accepted_length"] = None  # the result carries no training clock, no tau
+    # the result carries no training clock, no tau, no per-batch speedups
+    row["train_minutes"] = row["mean_accepted_length"] = row["speedup_per_batch"] = None
     assert state.history == [row]
     assert CheckpointInfo.from_dict(state.history[0]).interval == (1.1, 1.5)
     full = {
