@@ -13,8 +13,10 @@ the target at a rejection.
 
 The checkpoint itself keeps its full head: HF assisted generation, vLLM and SGLang load and run it unchanged
 (with their full-vocabulary cost); the ids file is read by draftsmith's decoder only. A draft trained over its
-draft vocabulary (distill.subset_loss) is saved through `with_masked_head`: the same full-width head with its
-untrained rows zeroed, so those engines propose from the same tokens.
+draft vocabulary (distill.subset_loss) is saved through `with_masked_head`: the same full-width head, its untrained
+rows replaced by one row fitted to score far below the trained rows on the draft's own hidden states, so those
+engines propose from the draft vocabulary when they sample too. A Llama head has no bias, so this is a fit, not a
+-inf: the saved head's mass outside the draft vocabulary is measured on held-out text and kept in draft_vocab.json.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import collections
 import copy
 import json
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -30,6 +33,9 @@ import torch
 from torch import nn
 
 FILE = "draft_vocab.json"
+MARGIN = 30.0  # nats the fitted row aims below the top trained logit: 40960 rows there hold < 1e-8 of the mass
+MAX_MASS = 1e-3  # warn when the saved head puts more than this outside the draft vocabulary on held-out text
+FIT_TOKENS, HELDOUT_TOKENS = 16384, 4096  # hidden states the row is fitted on / measured on
 
 
 def frequent_ids(token_lists: Iterable[Sequence[int]], n: int, *, always: Iterable[int] = (), vocab: int) -> list[int]:
@@ -51,11 +57,19 @@ def frequent_ids(token_lists: Iterable[Sequence[int]], n: int, *, always: Iterab
     return sorted(keep)
 
 
-def save_ids(directory: str | Path, ids: Sequence[int], *, vocab: int, source: str) -> Path:
-    """Write `draft_vocab.json` into a checkpoint folder (atomically: a temp file renamed into place)."""
+def save_ids(
+    directory: str | Path, ids: Sequence[int], *, vocab: int, source: str, saved_head: dict | None = None
+) -> Path:
+    """Write `draft_vocab.json` into a checkpoint folder (atomically: a temp file renamed into place).
+
+    `saved_head`: what `with_masked_head` measured of the head saved beside it (its mass outside `ids`).
+    """
     path = Path(directory) / FILE
     tmp = path.with_name(f".{FILE}.tmp")
-    tmp.write_text(json.dumps({"size": len(ids), "vocab": vocab, "source": source, "ids": list(ids)}) + "\n")
+    content = {"size": len(ids), "vocab": vocab, "source": source, "ids": list(ids)}
+    if saved_head is not None:
+        content["saved_head"] = saved_head
+    tmp.write_text(json.dumps(content) + "\n")
     os.replace(tmp, path)
     return path
 
@@ -78,6 +92,15 @@ def load_ids(path: str | Path) -> list[int] | None:
     if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
         raise ValueError(f"{path}: 'ids' must be a non-empty list of token ids")
     return ids
+
+
+def load_saved_head(folder: str | Path) -> dict | None:
+    """The `saved_head` measurement of a checkpoint's `draft_vocab.json` (`with_masked_head`); None without one."""
+    path = Path(folder) / FILE
+    try:
+        return json.loads(path.read_text()).get("saved_head") if path.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 class SubsetHead(nn.Module):
@@ -119,33 +142,103 @@ def with_subset_head(model: nn.Module, ids: Sequence[int] | None) -> nn.Module:
     return view
 
 
-def with_masked_head(model: nn.Module, ids: Sequence[int]) -> nn.Module:
-    """A view of `model` to save for other engines: its own (untied) output layer, rows outside `ids` zero.
+def with_masked_head(model: nn.Module, ids: Sequence[int], text: Sequence[Sequence[int]]) -> tuple[nn.Module, dict]:
+    """A view of `model` to save for other engines, and what its head puts outside `ids` on held-out text.
 
     A draft trained over its draft vocabulary (`distill.loss_vocab: subset`) has trained only those rows of its
     head; the others still score the hidden states of the untrained draft. HF assisted generation, vLLM and
-    SGLang run the full head, so the saved draft keeps the trained rows and gives every other token a logit of 0,
-    below the positive top logit of a trained draft, so it drafts from `ids` there too, at the full head's cost
-    (SmolLM2's masked head drafted exactly the tokens of its 8192-row head on held-out prompts). The input
-    embeddings keep every row (prompts hold any token); `model` is unchanged.
+    SGLang run the full head, and a Llama head has no bias to hold -inf, so every other row becomes one vector
+    fitted (`outside_row`) on the draft's final hidden states over `text` (token id lists: the text the draft
+    drafts) to score MARGIN below the top trained logit. One sequence in five is held out of the fit; the saved
+    head's probability outside `ids` at temperature 1 on it is returned: `outside_mass_mean`/`_max` per position,
+    `argmax_outside` (the share of positions whose greedy token is outside `ids`, where the saved head and the
+    subset head would disagree). The output layer is untied; the input embeddings keep every row (prompts hold any
+    token); `model` is unchanged.
 
     Raises:
-        ValueError: the model's output layer is not a plain linear layer.
+        ValueError: the model's output layer is not a plain linear layer, or `text` is empty.
     """
     head = _linear_head(model)
     keep = torch.zeros(head.weight.shape[0], dtype=torch.bool, device=head.weight.device)
     keep[torch.tensor(sorted(set(ids)), dtype=torch.long, device=keep.device)] = True
+    fit = final_states(model, [t for i, t in enumerate(text) if i % 5], FIT_TOKENS)
+    heldout = final_states(model, text[::5], HELDOUT_TOKENS)
     masked = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)
     masked.to(device=head.weight.device, dtype=head.weight.dtype).requires_grad_(False)
     with torch.no_grad():
-        masked.weight.copy_(head.weight * keep[:, None])
-        if head.bias is not None:
-            masked.bias.copy_(head.bias * keep)
+        trained = head.weight[keep].float()
+        masked.weight.copy_(head.weight)
+        masked.weight[~keep] = outside_row(fit, (fit @ trained.T).amax(-1)).to(masked.weight.dtype)
+        if head.bias is not None:  # a head with a bias holds the mask exactly
+            masked.bias.copy_(head.bias.masked_fill(~keep, torch.finfo(head.bias.dtype).min))
+        report = outside_mass(masked, keep, heldout)
+    report.update(fit_positions=len(fit), margin=MARGIN)
+    if report["outside_mass_max"] > MAX_MASS or report["argmax_outside"] > 0:
+        print(
+            f"warning: the saved head puts up to {report['outside_mass_max']:.2g} of its probability outside the "
+            f"draft vocabulary on held-out text ({report['argmax_outside']:.2%} of positions greedy there): "
+            "engines that run the full head may propose other tokens (see draft_vocab.json saved_head)",
+            file=sys.stderr,
+        )
     view = _view(model)
     view.config = copy.deepcopy(model.config)
     view.config.tie_word_embeddings = False  # save the masked rows, not the embeddings, as the output layer
     view.set_output_embeddings(masked)
-    return view
+    return view, report
+
+
+@torch.no_grad()
+def final_states(model: nn.Module, text: Sequence[Sequence[int]], max_tokens: int) -> torch.Tensor:
+    """What `model`'s output layer reads over `text` (its decoder's last hidden states, one sequence at a time,
+    float32): [<= max_tokens, hidden]. The output layer itself is not run."""
+    decoder, device = model.get_decoder(), next(model.parameters()).device
+    states: list[torch.Tensor] = []
+    for tokens in text:
+        if sum(len(s) for s in states) >= max_tokens:
+            break
+        if len(tokens):
+            ids = torch.tensor([list(tokens)[:max_tokens]], device=device)
+            states.append(decoder(input_ids=ids).last_hidden_state[0])
+    if not states:
+        raise ValueError("no text to fit the masked head on: pass the token lists the draft vocabulary came from")
+    return torch.cat(states)[:max_tokens].float()
+
+
+def outside_row(states: torch.Tensor, top: torch.Tensor, margin: float = MARGIN) -> torch.Tensor:
+    """The row w whose logit w.h is `margin` below `top` (the top trained logit) on the hidden states `states`.
+
+    A soft-margin fit, min mean(softplus(w.h - top + margin)) + 1e-7 |w|^2 with the states in units of their mean
+    norm, by L-BFGS (convex: one answer, about a second for 16384 states); the small penalty keeps w the shortest
+    row that holds the margin, which is what holds it on states the fit has not seen.
+    states: [n, hidden]; top: [n]. Returns [hidden].
+    """
+    scale = states.norm(dim=-1).mean().clamp_min(1e-6)
+    unit = states / scale
+    w = torch.zeros(states.shape[-1], device=states.device, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=300, history_size=20, line_search_fn="strong_wolfe")
+
+    def objective() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.softplus(unit @ w - top + margin).mean() + 1e-7 * w.square().sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(objective)
+    return w.detach() / scale
+
+
+@torch.no_grad()
+def outside_mass(head: nn.Linear, keep: torch.Tensor, states: torch.Tensor) -> dict:
+    """What `head` (full width) puts outside the rows `keep` at temperature 1 on `states` ([n, hidden])."""
+    logits = head(states.to(head.weight.dtype)).float()  # [n, vocab]
+    mass = logits.softmax(-1)[:, ~keep].sum(-1)
+    return {
+        "heldout_positions": len(states),
+        "outside_mass_mean": float(mass.mean()),
+        "outside_mass_max": float(mass.max()),
+        "argmax_outside": float((~keep[logits.argmax(-1)]).float().mean()),
+    }
 
 
 def _view(model: nn.Module) -> nn.Module:

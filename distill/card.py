@@ -15,6 +15,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from decode.draft_vocab import MAX_MASS
 from distill.hub import is_hub_id
 
 TAGS = ["speculative-decoding", "draft-model", "draftsmith"]
@@ -193,12 +194,7 @@ def _figures(info: dict) -> list[str]:
             f"- draftsmith's decoder drafted from the {best['draft_vocab_size']} tokens of `draft_vocab.json` (the "
             "target's most frequent; lossless: the target verifies over its whole vocabulary). The model keeps its "
             "full output layer, which HF assisted generation, vLLM and SGLang use: their drafts cost more per token"
-            + (
-                "; it was trained over those tokens alone, so its other rows are zero and those engines propose "
-                "from the same tokens"
-                if info.get("head_masked_to_draft_vocab")
-                else ""
-            )
+            + _masked_head_text(info.get("masked_head"))
         )
     settings = best.get("hf_assisted_settings")
     if isinstance(settings, dict):
@@ -225,6 +221,27 @@ def _figures(info: dict) -> list[str]:
                 f"{_fmt(c.get('acceptance_rate'), '{:.3f}')} | {_fmt(c.get('loss'), '{:.4f}')} |"
             )
     return lines
+
+
+def _masked_head_text(head: dict | None) -> str:
+    """The card's words on a head trained over the draft vocabulary alone (decode.draft_vocab.with_masked_head)."""
+    if not head:
+        return ""
+    measured = (
+        f"on {head['heldout_positions']} held-out positions it puts {head['outside_mass_mean']:.1e} of the draft's "
+        f"probability outside those tokens at temperature 1 (at most {head['outside_mass_max']:.1e} at one position)"
+        f" and its greedy token is outside them at {head['argmax_outside']:.2%} of positions"
+    )
+    close = head["outside_mass_max"] <= MAX_MASS and head["argmax_outside"] == 0
+    return (
+        "; it was trained over those tokens alone, and its other rows are one row fitted to score far below theirs "
+        f"on the draft's hidden states (a Llama head has no bias to hold -inf): {measured}, "
+        + (
+            "so those engines draft from the same tokens, sampled or greedy"
+            if close
+            else "so those engines can draft other tokens"
+        )
+    )
 
 
 def vllm_spec(repo_id: str, gamma: int) -> str:

@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from decode.draft_vocab import FILE as DRAFT_VOCAB
+from decode.draft_vocab import load_saved_head
 from distill.card import engine_of, render_model_card
 from distill.draft_folder import (
     assistant_settings,
@@ -538,8 +539,10 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
         "checkpoint": src.label,
         "best_step": src.step,
         "method": _describe_method(recipe, lora),
-        # trained over its draft vocabulary: the saved head scores only those tokens (draft_vocab.with_masked_head)
-        "head_masked_to_draft_vocab": recipe_get(recipe, "distill.loss_vocab") == "subset",
+        # trained over its draft vocabulary: what its saved head puts outside it (draft_vocab.with_masked_head)
+        "masked_head": load_saved_head(src.model_dir)
+        if recipe_get(recipe, "distill.loss_vocab") == "subset"
+        else None,
         "num_assistant_tokens": gamma,
         "generation_config": {"assistant": assistant, "why": assistant_why},
         "hardware": hardware,

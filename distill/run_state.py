@@ -192,7 +192,8 @@ class RunState:
         self.recipe = recipe
         self.history: list[dict] = []  # CheckpointInfo.as_dict() rows, one per evaluated step
         self.train_s = 0.0  # training wall-clock seconds so far (evaluation and saving excluded)
-        self.draft_vocab: tuple[list[int], int, str] | None = None  # draft.vocab_subset: (ids, vocab, source)
+        # draft.vocab_subset: (ids, vocab, source, the token lists the ids came from)
+        self.draft_vocab: tuple[list[int], int, str, list[list[int]]] | None = None
 
     # ---- start
 
@@ -251,12 +252,14 @@ class RunState:
         if self.draft_vocab is None:
             models.save_draft(draft, tmp, tokenizer)
         else:
-            ids, vocab, source = self.draft_vocab
+            ids, vocab, source, text = self.draft_vocab
             # Trained over its draft vocabulary: the head's other rows are stale, so engines that run the full
             # head get them masked (decode.draft_vocab.with_masked_head); the training draft keeps its tied head.
-            subset_trained = self.recipe.distill.loss_vocab == "subset"
-            models.save_draft(with_masked_head(draft, ids) if subset_trained else draft, tmp, tokenizer)
-            save_ids(tmp, ids, vocab=vocab, source=source)
+            saved, head = draft, None
+            if self.recipe.distill.loss_vocab == "subset":
+                saved, head = with_masked_head(draft, ids, text)
+            models.save_draft(saved, tmp, tokenizer)
+            save_ids(tmp, ids, vocab=vocab, source=source, saved_head=head)
         write_json_atomic(tmp / "eval.json", result)
         if step == 0:
             write_json_atomic(self.out / "base_eval.json", result)  # step-0 may be pruned; report.json needs it

@@ -9,9 +9,10 @@ vocabulary a 2-layer draft's head is most of its training cost; with N = 8192 a 
 
 The weight rows are the model's own (a view, not a copy), so training changes only those N rows as outputs; the
 head's other rows still score the hidden states of the untrained draft. HF assisted generation, vLLM and SGLang
-serve the full head, so checkpoints are saved with those rows zeroed (decode.draft_vocab.with_masked_head, in
-distill.run_state): the saved draft proposes from the same N tokens in every engine. On SmolLM2 the head as
-trained made HF assisted generation 0.68x plain `generate`, the masked one 1.10x (docs/smollm2.md).
+serve the full head, so checkpoints are saved with those rows replaced by one row fitted to score far below the
+trained ones (decode.draft_vocab.with_masked_head, in distill.run_state), its mass outside the N tokens measured on
+held-out text into draft_vocab.json. On SmolLM2 the head as trained made HF assisted generation 0.68x plain
+`generate`, the masked one 1.10x (docs/smollm2.md).
 
     position = index_of(ids, vocab)                     # id -> column of the restricted logits
     head = restricted(model, ids)                       # once; shares the model's weight

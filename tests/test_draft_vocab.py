@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from decode.__main__ import draft_vocab_ids
 from decode.draft_vocab import (
@@ -140,24 +141,74 @@ def test_a_run_drafts_from_its_vocabulary_and_saves_it(tmp_path):
     assert config["vocab_size"] > 40
 
 
-def test_masked_head_saves_an_untied_head_scoring_only_the_subset(tmp_path):
-    """A subset-trained draft as other engines load it: the subset's logits as trained, 0 for every other token,
-    the input embeddings whole, and the model it was made from unchanged (still tied)."""
+def test_masked_head_saves_an_untied_head_scoring_only_the_subset(tmp_path, capsys):
+    """A subset-trained draft as other engines load it: the subset's logits as trained, every other token one
+    fitted row (equal logits), the input embeddings whole, the model it was made from unchanged (still tied), and
+    the held-out measurement returned; an untrained draft's states do not hold the margin, which it warns of."""
     from transformers import AutoModelForCausalLM
 
     model = tiny_llama(32, tie=True)
     ids = [0, 3, 4, 9, 17, 31]
-    with_masked_head(model, ids).save_pretrained(tmp_path)
+    text = torch.randint(0, 32, (40, 24), generator=torch.Generator().manual_seed(0)).tolist()
+    view, report = with_masked_head(model, ids, text)
+    view.save_pretrained(tmp_path)
     assert model.config.tie_word_embeddings
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert not loaded.config.tie_word_embeddings
     assert torch.equal(loaded.get_input_embeddings().weight, model.get_input_embeddings().weight)
-    x = torch.randint(0, 32, (2, 7))
+    x = torch.tensor(text[1:5])  # fitted on (every fifth sequence is held out): the margin holds here
     with torch.no_grad():
         want, got = model(x).logits, loaded(x).logits
     others = [i for i in range(32) if i not in ids]
     torch.testing.assert_close(got[..., ids], want[..., ids])
-    assert not got[..., others].any()
+    assert torch.equal(got[..., others], got[..., others[:1]].expand_as(got[..., others]))
+    assert torch.equal(got.argmax(-1), with_subset_head(model, ids)(x).logits.argmax(-1))  # greedy unchanged
+    assert report["heldout_positions"] == 8 * 24 and report["fit_positions"] == 32 * 24
+    assert 0 < report["argmax_outside"] < 0.05 and report["outside_mass_max"] > 1e-3  # 768 random states, 64 dims
+    assert "warning: the saved head puts up to 1 of its probability outside" in capsys.readouterr().err
     with pytest.raises(ValueError, match="linear layer"):
-        with_masked_head(torch.nn.Module(), ids)
+        with_masked_head(torch.nn.Module(), ids, text)
+    with pytest.raises(ValueError, match="no text"):
+        with_masked_head(model, ids, [])
+
+
+@pytest.mark.shared
+def test_masked_head_proposes_from_the_draft_vocabulary_when_hf_samples(tmp_path):
+    """The reference draft saved with a masked head for its 512 most frequent tokens, as HF assisted generation
+    samples from it (temperature 1, no top-k): every token the assistant proposes is in the draft vocabulary, and
+    its greedy token is the subset head's wherever the held-out text goes."""
+    from transformers import AutoModelForCausalLM
+
+    from decode.draft_vocab import final_states
+    from tests.conftest import DEV_PROMPTS, PAIR, TRAIN_PROMPTS
+
+    tok = AutoTokenizer.from_pretrained(PAIR / "draft")
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # noqa: E731
+    draft, target = load(PAIR / "draft"), load(PAIR / "target")
+    rows = lambda path, n: [json.loads(line)["prompt"] for line in path.read_text().splitlines()[:n]]  # noqa: E731
+    text = [tok(p)["input_ids"][:128] for p in rows(TRAIN_PROMPTS, 300)]
+    ids = frequent_ids(text, 512, always=[tok.eos_token_id], vocab=draft.config.vocab_size)
+    view, report = with_masked_head(draft, ids, text)
+    assert report["outside_mass_max"] < 1e-3 and report["argmax_outside"] == 0
+    view.save_pretrained(tmp_path)
+    assistant = load(tmp_path)
+    proposed: list[int] = []
+    generate = assistant.generate
+
+    def recording(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        proposed.extend(out.sequences[0, kwargs["input_ids"].shape[1] :].tolist())
+        return out
+
+    assistant.generate = recording
+    torch.manual_seed(0)
+    for prompt in rows(DEV_PROMPTS, 4):
+        x = tok(prompt, return_tensors="pt")["input_ids"][:, -96:]
+        target.generate(x, assistant_model=assistant, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=32)
+    assert len(proposed) >= 50 and set(proposed) <= set(ids), sorted(set(proposed) - set(ids))[:10]
+    held_out = [tok(p)["input_ids"][:128] for p in rows(DEV_PROMPTS, 20)]
+    states = final_states(assistant, held_out, 4096)
+    with torch.no_grad():
+        saved, subset = assistant.lm_head(states), with_subset_head(draft, ids).lm_head(states)
+    assert torch.equal(saved.argmax(-1), subset.argmax(-1))

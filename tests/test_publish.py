@@ -336,9 +336,14 @@ def test_card_front_matter_with_hub_ids():
     info["best"] = {**info["best"], "draft_vocab_size": 8192}
     card = pub.render_model_card(info, "me/gemma-2-2b-it-draft")
     assert "drafted from the 8192 tokens of `draft_vocab.json`" in card
-    assert "other rows are zero" not in card
-    card = pub.render_model_card({**info, "head_masked_to_draft_vocab": True}, "me/gemma-2-2b-it-draft")
-    assert "its other rows are zero and those engines propose from the same tokens" in card
+    assert "trained over those tokens alone" not in card
+    head = {"margin": 30.0, "heldout_positions": 4096, "outside_mass_mean": 7e-13, "outside_mass_max": 1e-9,
+            "argmax_outside": 0.0, "fit_positions": 16384}  # fmt: skip
+    card = pub.render_model_card({**info, "masked_head": head}, "me/gemma-2-2b-it-draft")
+    assert "puts 7.0e-13 of the draft's probability outside those tokens at temperature 1" in card
+    assert "(at most 1.0e-09 at one position)" in card and "draft from the same tokens, sampled or greedy" in card
+    card = pub.render_model_card({**info, "masked_head": {**head, "outside_mass_max": 0.2}}, "me/gemma-2-2b-it-draft")
+    assert "so those engines can draft other tokens" in card
 
 
 def test_qlora_card_columns_say_what_each_measured():

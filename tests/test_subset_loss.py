@@ -147,5 +147,8 @@ def test_a_run_trains_over_its_draft_vocabulary(tmp_path, cache_teacher):
     others = torch.ones(after["lm_head.weight"].shape[0], dtype=torch.bool)
     others[ids] = False
     assert not torch.equal(after["lm_head.weight"][ids], before[head][ids])  # the subset's rows trained
-    assert not after["lm_head.weight"][others].any()  # the stale rows masked for engines that run the full head
+    stale = after["lm_head.weight"][others]  # masked for engines that run the full head: one fitted row
+    assert torch.equal(stale, stale[:1].expand_as(stale)) and stale.any()
+    saved_head = json.loads((out / "best" / "draft_vocab.json").read_text())["saved_head"]
+    assert saved_head["heldout_positions"] > 0 and 0 <= saved_head["outside_mass_mean"] <= 1
     assert json.loads((out / "best" / "config.json").read_text())["tie_word_embeddings"] is False

@@ -22,6 +22,7 @@ from decode.vllm_engine import (
     acceptance_from_counters,
     bench_in_subprocess,
     counter_delta,
+    vllm_env,
     vllm_problem,
 )
 from distill.config import RecipeError, load_recipe
@@ -369,3 +370,54 @@ def test_published_draft_loads_in_vllm_unchanged(vllm_ok, tmp_path, padded_pair)
     settings = {"max_new_tokens": 24, "num_draft_tokens": 3, "repeats": 1, "dtype": "float32"}
     result = bench_in_subprocess(target_dir, str(published), prompts, settings=settings, out_json=tmp_path / "o.json")
     _check_result(result, gamma=3)
+
+
+PROPOSALS = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+target, draft, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+proposed = []
+sample = SpecDecodeBaseProposer._sample_draft_tokens
+
+def recording(self, *args, **kwargs):  # the drafter's own tokens, before the target judges them
+    ids, probs = sample(self, *args, **kwargs)
+    proposed.extend(ids.flatten().tolist())
+    return ids, probs
+
+SpecDecodeBaseProposer._sample_draft_tokens = recording
+spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}
+llm = LLM(model=target, speculative_config=spec, dtype="float32", max_model_len=512, seed=0, enforce_eager=True)
+llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=64, seed=0), use_tqdm=False)
+print("PROPOSED", json.dumps(proposed))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.shared
+def test_masked_head_proposes_from_the_draft_vocabulary_when_vllm_samples(vllm_ok, tmp_path):
+    """The reference draft saved with a masked head for its 512 most frequent tokens, served by vLLM as
+    `draft_model` with sampled drafts (`draft_sample_method: probabilistic`, temperature 1): every token vLLM's
+    drafter proposes is in the draft vocabulary (recorded inside vLLM's proposer, engine in-process)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decode.draft_vocab import frequent_ids, with_masked_head
+
+    tok = AutoTokenizer.from_pretrained(PAIR / "draft")
+    draft = AutoModelForCausalLM.from_pretrained(PAIR / "draft", dtype=torch.float32).eval()
+    rows = lambda path, n: [json.loads(line)["prompt"] for line in path.read_text().splitlines()[:n]]  # noqa: E731
+    text = [tok(p)["input_ids"][:128] for p in rows(SHARED / "data" / "stdlib-train-prompts.jsonl", 300)]
+    ids = frequent_ids(text, 512, always=[tok.eos_token_id], vocab=draft.config.vocab_size)
+    view, _ = with_masked_head(draft, ids, text)
+    view.save_pretrained(tmp_path / "draft")
+    tok.save_pretrained(tmp_path / "draft")
+    prompts = [tok.decode(tok(p)["input_ids"][-96:]) for p in rows(DEV_PROMPTS, 8)]
+    env = {**vllm_env(), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", PROPOSALS, str(PAIR / "target"), str(tmp_path / "draft"), json.dumps(prompts)],
+        capture_output=True, text=True, env=env, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proposed = json.loads(proc.stdout.split("PROPOSED ")[-1])
+    assert len(proposed) >= 40 and set(proposed) <= set(ids), sorted(set(proposed) - set(ids))[:10]

@@ -305,7 +305,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         cached = source.cache.completions() if source.cache is not None else []
         size = recipe.draft.vocab_subset
         draft_vocab, where = draft_vocabulary(size, train_prompts, cached, vocab_size, source.eos_token_id)
-        state.draft_vocab = (draft_vocab, vocab_size, where)
+        state.draft_vocab = (draft_vocab, vocab_size, where, vocabulary_text(train_prompts, cached)[0])
         if accelerator.is_main_process:
             print(f"draft vocabulary: the {len(draft_vocab)} of {vocab_size} tokens most frequent in the {where}")
     # distill.loss_vocab=subset: the draft's head and the loss cover the draft vocabulary alone
@@ -475,19 +475,22 @@ def evaluate_checkpoint(
 def draft_vocabulary(
     size: int, examples: list, continuations: list[list[int]], vocab: int, always: list[int]
 ) -> tuple[list[int], str]:
-    """draft.vocab_subset: the `size` ids most frequent in the text the draft will draft, and where they came from.
-
-    That text is the target's continuations when the run has them before its first step (source target/mix with
-    the cache, or a fixed dataset's completions), else the training prompts; EOS ids are always in.
-    """
+    """draft.vocab_subset: the `size` ids most frequent in `vocabulary_text`, and where they came from; EOS ids
+    are always in."""
     from decode.draft_vocab import frequent_ids
 
+    lists, where = vocabulary_text(examples, continuations)
+    return frequent_ids(lists, size, always=always, vocab=vocab), where
+
+
+def vocabulary_text(examples: list, continuations: list[list[int]]) -> tuple[list[list[int]], str]:
+    """The text the draft will draft, as token id lists, and its name: the target's continuations when the run has
+    them before its first step (source target/mix with the cache, or a fixed dataset's completions), else the
+    training prompts. The draft vocabulary is counted on it and a masked head fitted to it."""
     fixed = [e.completion_ids for e in examples if e.completion_ids]
     if continuations or fixed:
-        lists, where = continuations + fixed, f"{len(continuations) + len(fixed)} training continuations"
-    else:
-        lists, where = [e.prompt_ids for e in examples], f"{len(examples)} training prompts"
-    return frequent_ids(lists, size, always=always, vocab=vocab), where
+        return continuations + fixed, f"{len(continuations) + len(fixed)} training continuations"
+    return [e.prompt_ids for e in examples], f"{len(examples)} training prompts"
 
 
 def log_evaluation(metrics: MetricsLog, result: dict, eval_rows: list[dict], step: int, directory: Path) -> None:
