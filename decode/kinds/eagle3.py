@@ -34,6 +34,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from decode.compat import model_name, text_config
+from decode.kinds.standalone import Verified, all_real, draft_tokens, stack
 
 NAME = "eagle3"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -323,7 +324,7 @@ def head_config(target: nn.Module, draft_vocab_size: int, aux_layers: Sequence[i
             "lower draft.vocab_subset"
         )
     heads = int(tc.num_attention_heads)
-    rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 1e4)}
+    rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": tc.rope_theta}
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=int(tc.hidden_size),
@@ -465,3 +466,86 @@ def load(directory: str | Path, target: nn.Module) -> Eagle3Head:
     head.to(device=ref.device, dtype=dtype)
     head.name_or_path = str(directory)
     return head
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Drafting (the decoder's side of the kind)
+# ---------------------------------------------------------------------------------------------------------------
+class Drafter:
+    """An EAGLE-3 head's state in one decoding call: its cache and the (feature, next token) pairs not yet read.
+
+    After each verify pass the head is owed one pair per newly accepted target position: the target's features
+    at that position and the token after it (the last one's is the round's correction or bonus token). It reads
+    them in one forward, whose last output proposes d_1; d_2.. come from its own pre-norm output, and those chain
+    entries are cropped again after the round (the next round replaces them by the target's features).
+    """
+
+    def __init__(self, head: Eagle3Head, batch: int, vocab: int):
+        self.head = head
+        self.vocab = vocab
+        self.device = head.fc.weight.device
+        self.cache = Eagle3Cache(batch, self.device)
+        self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # ids, features, valid
+        self.forwards = 0
+
+    @property
+    def aux_layers(self) -> list[int]:
+        return self.head.aux_layers
+
+    def _feed(self, ids, hidden, valid, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if valid is None:
+            valid = torch.ones(ids.shape, dtype=torch.bool, device=self.device)
+        self.forwards += 1
+        return self.head(ids, hidden, self.cache.positions(valid), self.cache, valid, fused=fused)
+
+    def _logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        return self.head.full_logits(draft_logits)[..., : self.vocab]
+
+    def propose(self, controller, gamma_cap: int, proc, greedy: bool, generator):
+        batch = self.cache.length.shape[0]
+        controller.start_round(batch, gamma_cap)
+        tokens, qs = [], []
+        if gamma_cap > 0 and self.pending is not None:
+            ids, features, valid = self.pending
+            self.pending = None
+            logits, prenorm = self._feed(ids, features, valid, fused=True)
+            last = {"hidden": prenorm[:, -1:], "chain": 0}
+
+            def step(token: torch.Tensor) -> torch.Tensor:
+                out, last["hidden"] = self._feed(token[:, None], last["hidden"], None, fused=False)
+                last["chain"] += 1
+                return self._logits(out[:, -1])
+
+            first = self._logits(logits[:, -1])
+            tokens, qs = draft_tokens(first, step, controller, gamma_cap, proc, greedy, generator)
+            self.cache.crop(last["chain"])
+        return stack(tokens, qs, batch, self.vocab, self.device, greedy)
+
+    def update(self, v: Verified) -> None:
+        """Queue the (feature, next token) pairs of every position the target kept this round."""
+        ids, features = v.ids.to(self.device), v.features.to(self.device)
+        batch, width = ids.shape
+        g = v.draft_tokens.shape[1]
+        accepted = v.accepted.to(self.device)
+        valid = all_real(ids) if v.valid is None else v.valid.to(self.device)
+        valid = torch.cat([valid[:, : width - g], torch.arange(g, device=self.device)[None] < accepted[:, None]], 1)
+        # The token after each kept position; after the last one, the round's own token.
+        nxt = torch.cat([ids[:, 1:], ids.new_zeros(batch, 1)], 1)
+        nxt.scatter_(1, (width - g - 1 + accepted)[:, None], v.nxt.to(self.device)[:, None])
+        # Right-align every row's kept pairs (rejected drafts become holes on the left), drop all-hole columns.
+        src = torch.arange(width, device=self.device)[None] - (g - accepted)[:, None]
+        keep = src >= 0
+        src = src.clamp_min(0)
+        nxt, valid = nxt.gather(1, src), valid.gather(1, src) & keep
+        features = features.gather(1, src[..., None].expand(-1, -1, features.shape[-1]))
+        first = int(valid.any(0).nonzero()[0])
+        pairs = (nxt[:, first:], features[:, first:], valid[:, first:])
+        if self.pending is not None:  # a round that drafted nothing (the budget's last token) left pairs unread
+            pairs = tuple(torch.cat([a, b], 1) for a, b in zip(self.pending, pairs))
+        self.pending = pairs
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.select(rows)
+        if self.pending is not None:
+            rows = rows.to(self.device)
+            self.pending = tuple(t[rows] for t in self.pending)
