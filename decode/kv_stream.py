@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -83,6 +83,18 @@ class KVStream:
 
         Returns the logits of the last ``keep`` inputs, ``[B, keep, vocab]``, cut to the shared vocabulary.
         """
+        return self._forward(ids, valid, keep, None)[0]
+
+    def feed_with_features(
+        self, ids: torch.Tensor, valid: torch.Tensor | None, keep: int, layers: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``feed``, plus the hidden states at ``layers`` (indices of HF ``hidden_states``: 0 = embeddings) of every
+        input, side by side: ``[B, q, len(layers) * hidden]`` (what an EAGLE-3 head reads)."""
+        return self._forward(ids, valid, keep, layers)
+
+    def _forward(
+        self, ids: torch.Tensor, valid: torch.Tensor | None, keep: int, layers: Sequence[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = ids.to(self.device)
         batch, q = ids.shape
         if valid is not None and bool(valid.all()):
@@ -108,6 +120,7 @@ class KVStream:
             position_ids=position_ids,
             use_cache=True,
             logits_to_keep=keep,
+            **({"output_hidden_states": True} if layers is not None else {}),
             **{self.cache_kw: self.cache},
         )
         self.slots += q
@@ -117,7 +130,8 @@ class KVStream:
                 "cache under another keyword): report it with the output of `pip show transformers`"
             )
         self.forwards += 1
-        return out.logits[:, -keep:, : self.vocab]
+        features = None if layers is None else torch.cat([out.hidden_states[i] for i in layers], -1)
+        return out.logits[:, -keep:, : self.vocab], features
 
     def rollback(self, num_new: int, keep: torch.Tensor, keep_list: list[int]) -> None:
         """Of the last ``num_new`` slots (all real), keep the first ``keep[b]`` for row b.

@@ -10,8 +10,9 @@ One round, per batch row:
 
 Invariants between rounds: the target has cached every token but the last one (the "pending" token, fed
 first in the next verify pass, so each round is exactly one target forward and the first round is the
-target's prefill); the draft has cached every token but its own pending ones — usually just the last token,
-or [d_g, bonus] when the whole draft was accepted (one 2-token forward; nothing is ever fed twice).
+target's prefill). How the draft proposes and what it keeps between rounds is its *kind*'s business
+(``decode.kinds``): a standalone LM reads the tokens it has not cached yet; an EAGLE-3 head reads the target's
+hidden states of the verify pass (it drafts nothing in the first round: it needs the prompt's features first).
 
 Batch rows accept different numbers of tokens: each model's cache is a ``decode.kv_stream.KVStream``, one
 physical KV cache for the batch with per-row holes, so every row decodes as if alone. Finished rows leave the
@@ -30,6 +31,8 @@ from torch import nn
 from decode import acceptance
 from decode.compat import check_context, logits_width
 from decode.draft_length import AutoDraftLength, FixedDraftLength
+from decode.kinds import Verified, drafter_for
+from decode.kinds.standalone import all_real
 from decode.kv_stream import KVStream, decoding
 from decode.sampling import process_logits, sample, validate_sampling
 
@@ -240,27 +243,30 @@ def speculative_generate(
 
     with decoding(target, draft):
         tgt = KVStream(target, batch, vocab)
-        drf = KVStream(draft, batch, vocab)
+        drafter = drafter_for(draft, batch, vocab, input_ids, prompt_mask)
         rows = list(range(batch))  # original index of each live row
-        # Tokens each model has not cached yet, [B, k], with validity (holes left of real tokens; None = all real).
+        # Tokens the target has not cached yet, [B, k], with validity (holes left of real tokens; None = all real).
         tgt_ids, tgt_valid = input_ids, prompt_mask
-        drf_ids, drf_valid = input_ids, prompt_mask
         first = True
         while rows:
             budget = max(emitter.remaining(r) for r in rows)
             gamma_cap = min(controller.max_gamma, budget - 1)  # the round also emits one target token
 
-            # ---- draft: g tokens, one forward each (the first also reads the draft's pending tokens)
+            # ---- draft: g tokens (the drafter's kind decides how; a standalone draft reads its pending tokens)
             t0 = time.perf_counter()
-            draft_tokens, q = _propose(drf, drf_ids, drf_valid, controller, gamma_cap, proc, greedy, generator)
+            draft_tokens, q = drafter.propose(controller, gamma_cap, proc, greedy, generator)
             g = draft_tokens.shape[1]
             t1 = time.perf_counter()
 
             # ---- verify: one target forward over [pending, d_1..d_g] -> p_1..p_{g+1}
             draft_tokens = draft_tokens.to(tgt.device)
             ids = torch.cat([tgt_ids.to(tgt.device), draft_tokens], 1)
-            valid = None if tgt_valid is None else torch.cat([tgt_valid.to(tgt.device), _all_real(draft_tokens)], 1)
-            logits = tgt.feed(ids, valid, keep=g + 1)  # [B, g + 1, V]
+            valid = None if tgt_valid is None else torch.cat([tgt_valid.to(tgt.device), all_real(draft_tokens)], 1)
+            features = None
+            if drafter.aux_layers is None:
+                logits = tgt.feed(ids, valid, keep=g + 1)  # [B, g + 1, V]
+            else:
+                logits, features = tgt.feed_with_features(ids, valid, keep=g + 1, layers=drafter.aux_layers)
             if greedy:
                 accepted, nxt = acceptance.accept_greedy(draft_tokens, logits)
             else:
@@ -268,10 +274,10 @@ def speculative_generate(
             acc_list = accepted.tolist()  # the one host sync per round
             t2 = time.perf_counter()
 
-            # ---- rollback: the target keeps [pending, d_1..d_n]; the draft keeps what it read of d_1..d_n
+            # ---- rollback: the target keeps [pending, d_1..d_n]; the drafter keeps what it read of d_1..d_n
             tgt.rollback(g, accepted, acc_list)
+            drafter.update(Verified(ids, valid, draft_tokens, accepted, acc_list, nxt, features))
             tgt_ids, tgt_valid = nxt[:, None], None
-            drf_ids, drf_valid = _rollback_draft(drf, drf_ids, drf_valid, draft_tokens, accepted, acc_list, nxt)
             # The first round is both models' prefill: its times say nothing about per-token costs.
             controller.end_round(g, accepted, None if first else t1 - t0, None if first else t2 - t1)
             first = False
@@ -293,88 +299,14 @@ def speculative_generate(
                     break
                 sel = torch.tensor(keep, dtype=torch.long)
                 tgt.select(sel)
-                drf.select(sel)
+                drafter.select(sel)
                 rows = [rows[i] for i in keep]
                 tgt_ids = tgt_ids[sel.to(tgt_ids.device)]
-                drf_ids = drf_ids[sel.to(drf_ids.device)]
-                drf_valid = None if drf_valid is None else drf_valid[sel.to(drf_valid.device)]
         stats.target_forwards = tgt.forwards
-        stats.draft_forwards = drf.forwards
+        stats.draft_forwards = drafter.forwards
 
     pad = min(eos) if eos else 0
     return SpecOutput(sequences=_pack(input_ids, emitter.out, pad), new_tokens=emitter.out, stats=stats)
-
-
-def _propose(
-    drf: KVStream,
-    pending_ids: torch.Tensor,
-    pending_valid: torch.Tensor | None,
-    controller: DraftLength,
-    gamma_cap: int,
-    proc,
-    greedy: bool,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Draft up to ``gamma_cap`` tokens; the last one is not fed back (its KV is only needed if all are accepted).
-
-    Returns:
-        (draft tokens ``[B, g]``, their distributions q ``[B, g, V]`` when sampling, else None).
-    """
-    batch = pending_ids.shape[0]
-    controller.start_round(batch, gamma_cap)
-    tokens: list[torch.Tensor] = []
-    qs: list[torch.Tensor] = []
-    if gamma_cap > 0:
-        logits = drf.feed(pending_ids, pending_valid, keep=1)[:, -1]  # [B, V]
-        while True:
-            if greedy:
-                token = logits.argmax(-1)
-            else:
-                qs.append(proc(logits))
-                token = sample(qs[-1], generator)
-            tokens.append(token)
-            more = True
-            if controller.needs_confidence:
-                more = controller.keep_drafting(logits.float().softmax(-1).gather(-1, token[:, None]).squeeze(-1))
-            if not more or len(tokens) == gamma_cap:
-                break
-            logits = drf.feed(token[:, None], None, keep=1)[:, -1]
-    if not tokens:
-        return torch.zeros(batch, 0, dtype=torch.long, device=drf.device), _empty_q(batch, drf, greedy)
-    return torch.stack(tokens, 1), (None if greedy else torch.stack(qs, 1))
-
-
-def _all_real(ids: torch.Tensor) -> torch.Tensor:
-    return torch.ones_like(ids, dtype=torch.bool)
-
-
-def _empty_q(batch: int, drf: KVStream, greedy: bool) -> torch.Tensor | None:
-    return None if greedy else torch.zeros(batch, 0, drf.vocab, device=drf.device)
-
-
-def _rollback_draft(
-    drf: KVStream,
-    pending_ids: torch.Tensor,
-    pending_valid: torch.Tensor | None,
-    draft_tokens: torch.Tensor,
-    accepted: torch.Tensor,
-    acc_list: list[int],
-    nxt: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Crop the draft's cache to the accepted tokens it read; return its pending tokens for the next round."""
-    g = draft_tokens.shape[1]
-    nxt = nxt.to(drf.device)[:, None]  # [B, 1]
-    if g == 0:
-        # The draft read nothing this round: its pending tokens grow by the new one.
-        valid = None if pending_valid is None else torch.cat([pending_valid, _all_real(nxt)], 1)
-        return torch.cat([pending_ids.to(drf.device), nxt], 1), valid
-    fed = g - 1  # d_1..d_{g-1} went through the draft; d_g did not
-    drf.rollback(fed, accepted.clamp(max=fed).to(drf.device), [min(a, fed) for a in acc_list])
-    if max(acc_list) < g:
-        return nxt, None
-    # Rows that accepted all g still owe the draft d_g: feed [d_g, next] in one forward (a hole in other rows).
-    ids = torch.cat([draft_tokens[:, -1:].to(drf.device), nxt], 1)
-    return ids, torch.cat([(accepted == g).to(drf.device)[:, None], _all_real(nxt)], 1)
 
 
 def _count_round(stats: SpecStats, g: int, accepted: list[int], live_rows: int) -> None:

@@ -1,0 +1,50 @@
+"""Draft kinds: how a draft turns what the target computed into proposals.
+
+A kind is one module: how it is built, what a training step feeds it, how it proposes in the decoder, how it is
+saved for the engines that serve it. The decoder (``decode.speculative``) talks to a kind through a *drafter*,
+the draft's state during one decoding call:
+
+    drafter.aux_layers                  target layers whose hidden states the drafter needs (None: none)
+    drafter.propose(controller, cap, proc, greedy, generator) -> (tokens [B, g], q [B, g, V] or None)
+    drafter.update(verified)            after the target's verify pass: what was fed, accepted and its features
+    drafter.select(rows)                keep only these batch rows
+    drafter.forwards                    draft forwards run
+
+The accept/reject rule, the bench and best/ selection stay the same for every kind.
+
+    standalone   a small causal LM with the target's tokenizer (decode.kinds.standalone)
+    eagle3       a one-layer head over three of the target's hidden layers (decode.kinds.eagle3)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from decode.compat import logits_width
+from decode.kinds import eagle3, standalone
+from decode.kinds.standalone import Verified
+from decode.kv_stream import KVStream
+
+KINDS = (standalone.NAME, eagle3.NAME)
+
+__all__ = ["KINDS", "Verified", "cost_stream", "drafter_for", "kind_of"]
+
+
+def kind_of(draft: nn.Module) -> str:
+    """The kind of a loaded draft: ``eagle3`` for an EAGLE-3 head, else ``standalone``."""
+    return getattr(draft, "kind", standalone.NAME)
+
+
+def drafter_for(draft: nn.Module, batch: int, vocab: int, input_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """The drafter of ``draft``'s kind for one decoding call over ``input_ids`` [B, P] (``prompt_mask`` [B, P])."""
+    if kind_of(draft) == eagle3.NAME:
+        return eagle3.Drafter(draft, batch, vocab)
+    return standalone.Drafter(draft, batch, vocab, input_ids, prompt_mask)
+
+
+def cost_stream(model: nn.Module, batch: int):
+    """What ``decode.metrics.ForwardCostMeter`` times a model's KV-cached forwards through, by kind."""
+    if kind_of(model) == eagle3.NAME:
+        return eagle3.CostStream(model, batch)
+    return KVStream(model, batch, logits_width(model))

@@ -1,0 +1,578 @@
+"""The EAGLE-3 draft kind: a one-layer head over three of the target's own hidden layers.
+
+At position i the head reads the target's hidden states h_i at three layers (fused by ``fc`` to one hidden width)
+and the embedding of the next token x_{i+1}, and predicts x_{i+2}. Its one decoder layer attends over
+[norm(embedding); norm(features)] (twice the hidden width); its output head scores a *draft vocabulary* of the
+tokens the target writes most often (``d2t`` maps draft ids to target ids). To draft further ahead it feeds back
+its own pre-norm output in place of the target's features (EAGLE's "training-time test" trains exactly that).
+
+The layout is the one vLLM (``method: eagle3``, ``LlamaForCausalLMEagle3``) and SGLang (``EAGLE3``) load:
+tensors ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` and no embedding (the engines and
+draftsmith share the target's). Its decoder layer is a Llama layer whatever the target's architecture, because
+that is the head both engines run for every target.
+
+Aux layer ids follow vLLM: id j is the input of target layer j (``hidden_states[j]`` of an HF forward, 0 = the
+embeddings); SGLang counts the output of layer j, one less, and reads ``eagle_config``; the saved config carries
+both (:func:`served_config`).
+
+    head = build(target, draft_ids)                     # fresh head: target's embedding, head rows from the target
+    logits, prenorm = head.unrolled(ids, features, position_ids, key_valid, steps=3)   # training
+    save(head, folder); head = load(folder, target)     # the served format
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from decode.compat import model_name, text_config
+from decode.kinds.standalone import Verified, all_real, draft_tokens, stack
+
+NAME = "eagle3"
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS = "model.safetensors"
+TTT_STEPS = 3  # unrolled steps in training (EAGLE-3 trains 7 on GPUs; 3 reach most of the gain, see docs/eagle3.md)
+STEP_WEIGHT = 0.8  # weight of unrolled step k is STEP_WEIGHT ** k, as in EAGLE-3
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """Low, middle and high layers as vLLM and SGLang pick them when a checkpoint names none: (2, L//2, L-3)."""
+    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+
+
+def check_aux_layers(aux: Sequence[int], num_layers: int) -> list[int]:
+    """``aux`` as a list, or ValueError naming the valid range (ids index ``hidden_states``: 0..L)."""
+    aux = [int(a) for a in aux]
+    if len(aux) != 3:
+        raise ValueError(f"an EAGLE-3 head fuses exactly 3 target layers, got {len(aux)} aux layer ids {aux}")
+    bad = [a for a in aux if not 0 <= a <= num_layers]
+    if bad:
+        raise ValueError(
+            f"aux layer ids {bad} are outside the target's layers: ids count layer inputs 0..{num_layers} "
+            f"(0 = embeddings) for this {num_layers}-layer target; the default is {default_aux_layers(num_layers)}"
+        )
+    return aux
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The head
+# ---------------------------------------------------------------------------------------------------------------
+class Eagle3Attention(nn.Module):
+    """Llama attention whose projections read 2 * hidden (embedding and features side by side)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        hidden, self.head_dim = config.hidden_size, config.head_dim
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = nn.Linear(2 * hidden, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[B, S, 2H] -> q [B, heads, S, d], k and v [B, kv_heads, S, d], rotary applied."""
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def out(self, attn: torch.Tensor) -> torch.Tensor:
+        """[B, heads, S, d] -> [B, S, H]."""
+        b, _, s, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+    def expand(self, kv: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention: repeat each kv head for the query heads that share it."""
+        return kv.repeat_interleave(self.heads // self.kv_heads, dim=1)
+
+
+class Eagle3Layer(nn.Module):
+    """The head's one decoder layer (the names are the served checkpoint's ``midlayer.*``)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+
+class Eagle3Head(nn.Module):
+    """fc -> one layer -> norm -> lm_head over the draft vocabulary; ``embed_tokens`` is the target's (frozen).
+
+    Buffers: ``draft_ids`` [Vd] target id of each draft id; ``d2t`` = draft_ids - arange (the served offsets).
+    """
+
+    kind = NAME
+
+    def __init__(self, config: LlamaConfig, embed_tokens: nn.Embedding, draft_ids: Sequence[int]):
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        # The target's embedding, not a submodule: never saved, trained, moved or cast with the head.
+        object.__setattr__(self, "embed_tokens", embed_tokens)
+        self.fc = nn.Linear(3 * config.target_hidden_size, hidden, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, len(draft_ids), bias=False)
+        self.rotary = LlamaRotaryEmbedding(config)
+        ids = torch.tensor(list(draft_ids), dtype=torch.long)
+        if len(set(ids.tolist())) != len(ids) or bool((ids[1:] <= ids[:-1]).any()):
+            raise ValueError("draft vocabulary ids must be distinct and sorted")
+        self.register_buffer("draft_ids", ids, persistent=False)
+
+    # ---- shapes and maps
+    @property
+    def aux_layers(self) -> list[int]:
+        return list(self.config.eagle_aux_hidden_state_layer_ids)
+
+    @property
+    def vocab(self) -> int:
+        """The target's vocabulary width (the logits width of :meth:`full_logits`)."""
+        return int(self.config.vocab_size)
+
+    def full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[..., Vd] -> [..., V] with -inf outside the draft vocabulary (so q is 0 there at every temperature)."""
+        out = draft_logits.new_full((*draft_logits.shape[:-1], self.vocab), float("-inf"))
+        return out.index_copy_(-1, self.draft_ids.to(out.device), draft_logits)
+
+    # ---- one pass of the layer
+    def _layer_in(self, ids: torch.Tensor, hidden: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input [B, S, 2H], residual [B, S, H]) from token ids and features (or own hidden states)."""
+        if fused:
+            hidden = self.fc(hidden.to(self.fc.weight.dtype))
+        layer = self.midlayer
+        embeds = layer.input_layernorm(self.embed_tokens(ids).to(hidden.dtype))
+        return torch.cat([embeds, layer.hidden_norm(hidden)], -1), hidden
+
+    def _layer_out(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft logits [B, S, Vd], pre-norm hidden [B, S, H]) after attention."""
+        layer = self.midlayer
+        residual = residual + layer.self_attn.out(attn)
+        prenorm = residual + layer.mlp(layer.post_attention_layernorm(residual))
+        return self.lm_head(self.norm(prenorm)), prenorm
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Eagle3Cache,
+        valid: torch.Tensor | None = None,
+        *,
+        fused: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append q positions to ``cache`` and return (draft logits [B, q, Vd], pre-norm hidden [B, q, H]).
+
+        Args:
+            ids: [B, q] the token after each feature's position; hidden: [B, q, 3 * H_target] target features
+                (``fused=True``) or [B, q, H] the head's own pre-norm output (``fused=False``).
+            valid: [B, q] bool, False on holes (left of real entries); None = all real.
+        """
+        x, residual = self._layer_in(ids, hidden, fused)
+        cos, sin = self.rotary(x, position_ids)
+        attn_mod = self.midlayer.self_attn
+        q, k, v = attn_mod.qkv(x, cos, sin)
+        keys, values, mask = cache.append(k, v, valid)
+        attn = F.scaled_dot_product_attention(q, attn_mod.expand(keys), attn_mod.expand(values), attn_mask=mask)
+        return self._layer_out(attn, residual)
+
+    def unrolled(
+        self,
+        ids: torch.Tensor,
+        features: torch.Tensor,
+        position_ids: torch.Tensor,
+        key_valid: torch.Tensor,
+        steps: int = TTT_STEPS,
+    ) -> list[torch.Tensor]:
+        """Training-time test: the head's draft logits at every position for ``steps`` chained steps.
+
+        Step k at position i reads token x_{i+k+1} and (k = 0) the target's features at i, or (k > 0) its own
+        step k-1 output at i; it attends to step 0's keys at positions <= i and its own keys of steps 1..k at
+        i — exactly what the k-th drafted token attends to in decoding. It predicts x_{i+k+2}, i.e. it is
+        compared with the target's distribution at position i + k + 1.
+
+        Args:
+            ids: [B, S] the training sequence; features: [B, S, 3 * H_target] the target's aux hidden states.
+            position_ids: [B, S]; key_valid: [B, S] bool, False on padding.
+
+        Returns:
+            ``steps`` tensors [B, S, Vd]; positions whose token x_{i+k+1} lies past the sequence are garbage
+            (mask them with :func:`step_mask`).
+        """
+        attn_mod = self.midlayer.self_attn
+        s = ids.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+        allowed0 = causal[None, None] & key_valid[:, None, None, :]  # [B, 1, S, S]
+        hidden, fused = features, True
+        diag_k: list[torch.Tensor] = []
+        diag_v: list[torch.Tensor] = []
+        out = []
+        for k in range(steps):
+            x, residual = self._layer_in(shift_left(ids, k + 1), hidden, fused)
+            cos, sin = self.rotary(x, position_ids + k)
+            q, key, value = attn_mod.qkv(x, cos, sin)
+            if k == 0:
+                k0, v0 = attn_mod.expand(key), attn_mod.expand(value)
+            else:
+                diag_k.append(attn_mod.expand(key))
+                diag_v.append(attn_mod.expand(value))
+            scale = q.shape[-1] ** -0.5
+            scores = (q @ k0.transpose(-1, -2)) * scale  # [B, h, S, S]
+            scores = scores.masked_fill(~allowed0, float("-inf"))
+            diag = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # each [B, h, S, 1]
+            probs = torch.cat([scores, *diag], -1).float().softmax(-1).to(q.dtype)
+            attn = probs[..., :s] @ v0
+            for m, dv in enumerate(diag_v):
+                attn = attn + probs[..., s + m : s + m + 1] * dv
+            logits, hidden = self._layer_out(attn, residual)
+            fused = False
+            out.append(logits)
+        return out
+
+
+def shift_left(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, S] -> [B, S]: column i holds ids[i + n]; the last n columns are 0 (masked by :func:`step_mask`)."""
+    return torch.cat([ids[:, n:], ids.new_zeros(ids.shape[0], min(n, ids.shape[1]))], 1)[:, : ids.shape[1]]
+
+
+def step_mask(valid: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, S] bool: positions i where step k is trained: i and i + k + 1 both real tokens of the sequence."""
+    return valid & shift_left(valid.long(), k + 1).bool()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The head's KV cache in decoding
+# ---------------------------------------------------------------------------------------------------------------
+class Eagle3Cache:
+    """Keys and values of the head's one layer over a batch whose rows keep different numbers of entries.
+
+    ``valid`` [B, slots] marks real entries (holes are masked); ``length[b]`` is row b's next position.
+    """
+
+    def __init__(self, batch: int, device: torch.device):
+        self.keys: torch.Tensor | None = None  # [B, kv_heads, slots, d]
+        self.values: torch.Tensor | None = None
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self.length = torch.zeros(batch, dtype=torch.long, device=device)
+
+    @property
+    def slots(self) -> int:
+        return self.valid.shape[1]
+
+    def positions(self, valid: torch.Tensor) -> torch.Tensor:
+        """Position ids of q new entries (holes take none): row b's real entries continue from length[b]."""
+        return (self.length[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)
+
+    def append(
+        self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Add q entries; return (keys, values, attention mask [B, 1, q, slots]) for the new queries."""
+        batch, _, q, _ = k.shape
+        valid = torch.ones(batch, q, dtype=torch.bool, device=k.device) if valid is None else valid.to(k.device)
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], 2)
+        self.values = v if self.values is None else torch.cat([self.values, v], 2)
+        old = self.slots
+        self.valid = torch.cat([self.valid, valid], 1)
+        self.length += valid.sum(1)
+        causal = torch.ones(q, old + q, dtype=torch.bool, device=k.device).tril(old)
+        mask = causal[None, None] & self.valid[:, None, None, :]
+        # A hole's own query row would see no key at all (NaN in softmax): let it see itself; its output is unused.
+        own = torch.zeros(q, old + q, dtype=torch.bool, device=k.device)
+        own[:, old:] = torch.eye(q, dtype=torch.bool, device=k.device)
+        mask = mask | own[None, None]
+        return self.keys, self.values, mask
+
+    def crop(self, n: int) -> None:
+        """Drop the last n entries (all real in every row: the chain of drafted tokens)."""
+        if n <= 0:
+            return
+        self.keys, self.values = self.keys[:, :, :-n], self.values[:, :, :-n]
+        self.length -= self.valid[:, -n:].sum(1)
+        self.valid = self.valid[:, :-n]
+
+    def select(self, rows: torch.Tensor) -> None:
+        rows = rows.to(self.valid.device)
+        self.valid, self.length = self.valid[rows], self.length[rows]
+        if self.keys is not None:
+            self.keys, self.values = self.keys[rows], self.values[rows]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Build, save, load
+# ---------------------------------------------------------------------------------------------------------------
+def head_config(target: nn.Module, draft_vocab_size: int, aux_layers: Sequence[int] | None = None) -> LlamaConfig:
+    """The head's config from the target's: its widths, heads and rotary settings; a Llama layer, 1 of them."""
+    tc = text_config(target)
+    layers = int(tc.num_hidden_layers)
+    aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(layers), layers)
+    vocab = int(tc.vocab_size)
+    if not 0 < draft_vocab_size <= vocab:
+        raise ValueError(
+            f"draft vocabulary of {draft_vocab_size} tokens is not in 1..{vocab} (the target's vocabulary): "
+            "lower draft.vocab_subset"
+        )
+    heads = int(tc.num_attention_heads)
+    rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": tc.rope_theta}
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=int(tc.hidden_size),
+        intermediate_size=int(tc.intermediate_size),
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // heads),
+        hidden_act="silu",
+        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 4096)),
+        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+        rope_parameters=dict(rope),
+        tie_word_embeddings=False,
+        bos_token_id=getattr(tc, "bos_token_id", None),
+        eos_token_id=getattr(tc, "eos_token_id", None),
+    )
+    config.architectures = [ARCHITECTURE]
+    config.draft_vocab_size = int(draft_vocab_size)
+    config.target_hidden_size = int(tc.hidden_size)
+    config.eagle_aux_hidden_state_layer_ids = aux
+    config.norm_before_residual = False
+    return config
+
+
+def build(target: nn.Module, draft_ids: Sequence[int], aux_layers: Sequence[int] | None = None) -> Eagle3Head:
+    """A fresh head for ``target``: the target's embedding (shared, frozen), ``lm_head`` rows copied from the
+    target's output layer at ``draft_ids``, the layer and ``fc`` at Llama's initialisation."""
+    check_hidden_states(target)
+    draft_ids = sorted(set(int(i) for i in draft_ids))
+    config = head_config(target, len(draft_ids), aux_layers)
+    if draft_ids[-1] >= config.vocab_size:
+        raise ValueError(f"draft vocabulary id {draft_ids[-1]} is outside the target's {config.vocab_size} tokens")
+    embed = target.get_input_embeddings()
+    head = Eagle3Head(config, embed, draft_ids)
+    ref = next(target.parameters())
+    std = getattr(text_config(target), "initializer_range", 0.02)
+    for module in head.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+    out = target.get_output_embeddings()
+    with torch.no_grad():
+        if out is not None and getattr(out, "weight", None) is not None and out.weight.shape[1] == config.hidden_size:
+            head.lm_head.weight.copy_(out.weight[head.draft_ids.to(out.weight.device)].float())
+    head.to(device=ref.device, dtype=torch.float32)
+    embed.requires_grad_(False)
+    return head
+
+
+def check_hidden_states(target: nn.Module) -> None:
+    """ValueError unless the target is an HF decoder whose forward returns per-layer hidden states."""
+    tc = getattr(target, "config", None)
+    layers = getattr(text_config(target), "num_hidden_layers", None) if tc is not None else None
+    if not isinstance(layers, int) or not hasattr(target, "get_input_embeddings"):
+        raise ValueError(
+            f"target {model_name(target)!r} does not expose its decoder layers' hidden states "
+            "(output_hidden_states): an EAGLE-3 head needs an HF decoder-only causal LM as its target"
+        )
+
+
+def served_config(head: Eagle3Head) -> dict:
+    """config.json as vLLM and SGLang read it (module docstring: the layer-id conventions)."""
+    config = head.config.to_dict()
+    config.pop("transformers_version", None)
+    aux = head.aux_layers
+    config["architectures"] = [ARCHITECTURE]
+    config["eagle_aux_hidden_state_layer_ids"] = aux  # vLLM: the input of layer j
+    config["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [a - 1 for a in aux]}
+    config["rope_theta"] = float(head.config.rope_parameters.get("rope_theta", 10000.0))
+    config["draftsmith"] = {"draft_kind": NAME}
+    config["torch_dtype"] = str(head.fc.weight.dtype).replace("torch.", "")
+    return config
+
+
+def save(head: Eagle3Head, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write the served checkpoint (config.json + model.safetensors) into ``directory``; no embedding."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = dtype or head.fc.weight.dtype
+    tensors = {
+        name: p.detach().to("cpu", dtype).contiguous()
+        for name, p in head.named_parameters()
+        if not name.startswith("embed_tokens.")
+    }
+    ids = head.draft_ids.cpu()
+    tensors["d2t"] = (ids - torch.arange(len(ids))).contiguous()
+    t2d = torch.zeros(head.vocab, dtype=torch.bool)
+    t2d[ids] = True
+    tensors["t2d"] = t2d
+    config = served_config(head)
+    config["torch_dtype"] = str(dtype).replace("torch.", "")
+    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+def is_eagle3(path: str | Path) -> bool:
+    """True for a folder holding an EAGLE-3 head's config."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        archs = json.loads(config.read_text()).get("architectures") or []
+    except ValueError:
+        return False
+    return any("Eagle3" in a for a in archs)
+
+
+def load(directory: str | Path, target: nn.Module) -> Eagle3Head:
+    """The head saved in ``directory``, on the target's device, sharing the target's embedding.
+
+    Raises:
+        ValueError: the head does not fit the target (vocabulary, hidden width, layer ids).
+    """
+    directory = Path(directory)
+    raw = json.loads((directory / "config.json").read_text())
+    for key in ("eagle_config", "draftsmith", "architectures", "torch_dtype"):
+        raw.pop(key, None)
+    config = LlamaConfig(**raw)
+    tc = text_config(target)
+    if int(config.vocab_size) != int(tc.vocab_size) or int(config.target_hidden_size) != int(tc.hidden_size):
+        raise ValueError(
+            f"EAGLE-3 head {str(directory)!r} was trained for a target with vocabulary {config.vocab_size} and hidden "
+            f"size {config.target_hidden_size}, not {model_name(target)!r} ({tc.vocab_size}, {tc.hidden_size}): "
+            "pass the target it was trained on"
+        )
+    config.eagle_aux_hidden_state_layer_ids = check_aux_layers(
+        config.eagle_aux_hidden_state_layer_ids, int(tc.num_hidden_layers)
+    )
+    tensors = load_file(str(directory / WEIGHTS))
+    draft_ids = (tensors.pop("d2t") + torch.arange(config.draft_vocab_size)).tolist()
+    tensors.pop("t2d", None)
+    head = Eagle3Head(config, target.get_input_embeddings(), draft_ids)
+    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    missing = [m for m in missing if not m.startswith("embed_tokens.")]
+    if missing or unexpected:
+        raise ValueError(f"{directory}: not an EAGLE-3 head (missing {missing}, unexpected {unexpected})")
+    ref = next(target.parameters())
+    dtype = tensors["fc.weight"].dtype
+    head.to(device=ref.device, dtype=dtype)
+    head.name_or_path = str(directory)
+    return head
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Drafting (the decoder's side of the kind)
+# ---------------------------------------------------------------------------------------------------------------
+class Drafter:
+    """An EAGLE-3 head's state in one decoding call: its cache and the (feature, next token) pairs not yet read.
+
+    After each verify pass the head is owed one pair per newly accepted target position: the target's features
+    at that position and the token after it (the last one's is the round's correction or bonus token). It reads
+    them in one forward, whose last output proposes d_1; d_2.. come from its own pre-norm output, and those chain
+    entries are cropped again after the round (the next round replaces them by the target's features).
+    """
+
+    def __init__(self, head: Eagle3Head, batch: int, vocab: int):
+        self.head = head
+        self.vocab = vocab
+        self.device = head.fc.weight.device
+        self.cache = Eagle3Cache(batch, self.device)
+        self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # ids, features, valid
+        self.forwards = 0
+
+    @property
+    def aux_layers(self) -> list[int]:
+        return self.head.aux_layers
+
+    def _feed(self, ids, hidden, valid, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if valid is None:
+            valid = torch.ones(ids.shape, dtype=torch.bool, device=self.device)
+        self.forwards += 1
+        return self.head(ids, hidden, self.cache.positions(valid), self.cache, valid, fused=fused)
+
+    def _logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        return self.head.full_logits(draft_logits)[..., : self.vocab]
+
+    def propose(self, controller, gamma_cap: int, proc, greedy: bool, generator):
+        batch = self.cache.length.shape[0]
+        controller.start_round(batch, gamma_cap)
+        tokens, qs = [], []
+        if gamma_cap > 0 and self.pending is not None:
+            ids, features, valid = self.pending
+            self.pending = None
+            logits, prenorm = self._feed(ids, features, valid, fused=True)
+            last = {"hidden": prenorm[:, -1:], "chain": 0}
+
+            def step(token: torch.Tensor) -> torch.Tensor:
+                out, last["hidden"] = self._feed(token[:, None], last["hidden"], None, fused=False)
+                last["chain"] += 1
+                return self._logits(out[:, -1])
+
+            first = self._logits(logits[:, -1])
+            tokens, qs = draft_tokens(first, step, controller, gamma_cap, proc, greedy, generator)
+            self.cache.crop(last["chain"])
+        return stack(tokens, qs, batch, self.vocab, self.device, greedy)
+
+    def update(self, v: Verified) -> None:
+        """Queue the (feature, next token) pairs of every position the target kept this round."""
+        ids, features = v.ids.to(self.device), v.features.to(self.device)
+        batch, width = ids.shape
+        g = v.draft_tokens.shape[1]
+        accepted = v.accepted.to(self.device)
+        valid = all_real(ids) if v.valid is None else v.valid.to(self.device)
+        valid = torch.cat([valid[:, : width - g], torch.arange(g, device=self.device)[None] < accepted[:, None]], 1)
+        # The token after each kept position; after the last one, the round's own token.
+        nxt = torch.cat([ids[:, 1:], ids.new_zeros(batch, 1)], 1)
+        nxt.scatter_(1, (width - g - 1 + accepted)[:, None], v.nxt.to(self.device)[:, None])
+        # Right-align every row's kept pairs (rejected drafts become holes on the left), drop all-hole columns.
+        src = torch.arange(width, device=self.device)[None] - (g - accepted)[:, None]
+        keep = src >= 0
+        src = src.clamp_min(0)
+        nxt, valid = nxt.gather(1, src), valid.gather(1, src) & keep
+        features = features.gather(1, src[..., None].expand(-1, -1, features.shape[-1]))
+        first = int(valid.any(0).nonzero()[0])
+        pairs = (nxt[:, first:], features[:, first:], valid[:, first:])
+        if self.pending is not None:  # a round that drafted nothing (the budget's last token) left pairs unread
+            pairs = tuple(torch.cat([a, b], 1) for a, b in zip(self.pending, pairs))
+        self.pending = pairs
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.select(rows)
+        if self.pending is not None:
+            rows = rows.to(self.device)
+            self.pending = tuple(t[rows] for t in self.pending)
+
+
+class CostStream:
+    """The head's forwards as ``decode.metrics.ForwardCostMeter`` times them (its ``KVStream`` interface): the
+    prompt as one fused read of (zero) features, then single chain steps — what each drafted token costs."""
+
+    def __init__(self, head: Eagle3Head, batch: int):
+        self.model = head
+        self.device = head.fc.weight.device
+        self.vocab = head.vocab
+        self.cache = Eagle3Cache(batch, self.device)
+
+    @property
+    def length(self) -> torch.Tensor:
+        return self.cache.length
+
+    def feed(self, ids: torch.Tensor, valid: torch.Tensor | None, keep: int) -> torch.Tensor:
+        ids = ids.to(self.device)
+        fused = self.cache.slots == 0
+        width = 3 * self.model.config.target_hidden_size if fused else self.model.config.hidden_size
+        hidden = torch.zeros(*ids.shape, width, dtype=self.model.fc.weight.dtype, device=self.device)
+        real = torch.ones(ids.shape, dtype=torch.bool, device=self.device) if valid is None else valid.to(self.device)
+        logits, _ = self.model(ids, hidden, self.cache.positions(real), self.cache, real, fused=fused)
+        return self.model.full_logits(logits[:, -keep:])
+
+    def rollback(self, num_new: int, keep: torch.Tensor, keep_list: list[int]) -> None:
+        self.cache.crop(num_new)
