@@ -261,8 +261,8 @@ def test_bench_cli_measures_an_eagle3_head_and_refuses_hf(tmp_path, llama_pair):
     prompts = make_prompts(tmp_path / "p.jsonl", 3, chars=20)
     out = tmp_path / "bench.json"
     argv = ["bench", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "head"),
-            "--prompts", str(prompts), "--max-new-tokens", "16", "--repeats", "1", "--dtype", "float32", "--num-draft-tokens", "3",
-            "--no-progress"]  # fmt: skip
+            "--prompts", str(prompts), "--max-new-tokens", "16", "--repeats", "1", "--dtype", "float32",
+            "--num-draft-tokens", "3", "--no-progress"]  # fmt: skip
     assert main([*argv, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["draft_kind"] == "eagle3" and result["draft_vocab_size"] == len(head.draft_ids)
