@@ -145,7 +145,9 @@ def evaluate(
     draft.eval()
     wrapper = _drop_autocast_wrapper(draft)  # measured as served: no training-time autocast around its forward
     served = _served_draft(draft, target)
+    # HF assisted generation runs standalone LMs only: an EAGLE-3 head has no forward of its own
     hf = recipe.eval.hf_assisted and recipe.eval.batch_size == 1 and not hasattr(served, "peft_config")
+    hf = hf and getattr(served, "kind", "standalone") == "standalone"
     try:
         if recipe.eval.engine == "vllm":  # the same measurement inside vLLM (distill/engines.py)
             return evaluate_vllm(target, draft, tokenizer, prompts, recipe, samples_out)
