@@ -34,6 +34,10 @@ if TYPE_CHECKING:  # imported lazily at run time: --help stays fast
 
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("draftsmith", "vllm")
+HF_CANNOT_RUN_EAGLE3 = (
+    "HF assisted generation cannot run an EAGLE-3 head (generate(assistant_model=...) takes a standalone causal "
+    "LM): use --baselines target, and serve the head with vLLM (method eagle3) or SGLang (EAGLE3)"
+)
 
 
 def _draft_tokens(value: str) -> int | str:
@@ -72,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     b.add_argument("--repeats", type=int, default=3, help="timed repeats per method; the median counts")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--baselines", type=_baselines, default=("target", "hf"), help="comma list of: target, hf")
+    b.add_argument(
+        "--baselines", type=_baselines, default=None,
+        help="comma list of: target, hf (default: both; target for an EAGLE-3 head, which HF cannot run)",
+    )  # fmt: skip
     b.add_argument("--json", dest="json_out", default=None, help="write the result object here")
     b.add_argument("--plot", default=None, help="PNG: per-position acceptance and tokens/s per method")
     b.add_argument("--samples-out", default=None, help="JSONL of every method's output per prompt")
@@ -127,6 +134,15 @@ def draft_vocab_ids(value: str, draft: str) -> list[int] | None:
     return load_ids(value)
 
 
+def default_baselines(requested: tuple[str, ...] | None, eagle3_head: bool) -> tuple[str, ...]:
+    """``--baselines``: what was asked, else target and HF assisted (target alone for an EAGLE-3 head)."""
+    if requested is None:
+        return ("target",) if eagle3_head else ("target", "hf")
+    if eagle3_head and "hf" in requested:
+        raise ValueError(HF_CANNOT_RUN_EAGLE3)
+    return requested
+
+
 def check_inputs(args: argparse.Namespace) -> tuple[Any, Any, list[dict]]:
     """The two tokenizers and the prompts, checked before any weights load: both models loadable (a GGUF file's
     architecture too), their vocabularies compatible by their configs, chat prompts only with a chat template.
@@ -136,9 +152,12 @@ def check_inputs(args: argparse.Namespace) -> tuple[Any, Any, list[dict]]:
     """
     from decode import sources
     from decode.compat import check_vocab_compatible
+    from decode.kinds import eagle3
     from decode.prompts import load_prompts
 
     target_tok = sources.load_tokenizer(args.target, key="--target")
+    if eagle3.is_eagle3(args.draft):  # a head over the target's own states: the target's tokens by construction
+        return target_tok, target_tok, load_prompts(args.prompts, tokenizer=target_tok)
     draft_tok = sources.load_tokenizer(args.draft, key="--draft")
     target_shape = sources.config_only(args.target, key="--target")
     draft_shape = sources.config_only(args.draft, key="--draft")
@@ -188,9 +207,14 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
 
     from decode.bench import run_bench
     from decode.compat import check_vocab_compatible
+    from decode.kinds import eagle3
 
+    head = eagle3.is_eagle3(args.draft)
+    baselines = default_baselines(args.baselines, head)
     target_tok, draft_tok, prompts = check_inputs(args)
-    draft_vocab = draft_vocab_ids(args.draft_vocab, args.draft)
+    if head and args.draft_vocab not in ("auto", "full"):
+        raise ValueError("an EAGLE-3 head drafts from the draft vocabulary it was trained with: drop --draft-vocab")
+    draft_vocab = None if head else draft_vocab_ids(args.draft_vocab, args.draft)
     device = (
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if args.device == "auto"
@@ -199,7 +223,10 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(device)
     target = _load(args.target, dtype, device, "--target")
     draft_dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else dtype
-    draft = _load(args.draft, draft_dtype, device, "--draft")
+    if head:
+        draft = eagle3.load(args.draft, target).to(draft_dtype)
+    else:
+        draft = _load(args.draft, draft_dtype, device, "--draft")
     check_vocab_compatible(target, draft, target_tok, draft_tok)  # the loaded output widths (padded embeddings)
     if args.limit is not None:
         prompts = prompts[: args.limit]
@@ -207,7 +234,7 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
         target, draft, target_tok, prompts, target_name=args.target, draft_name=args.draft,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size, repeats=args.repeats, seed=args.seed,
-        baselines=args.baselines, samples_out=args.samples_out, progress=not args.no_progress,
+        baselines=baselines, samples_out=args.samples_out, progress=not args.no_progress,
         draft_vocab=draft_vocab,
     )  # fmt: skip
     return result

@@ -43,6 +43,7 @@ from decode import kernels
 from decode.compat import check_context, check_vocab_compatible
 from decode.draft_length import AutoDraftLength
 from decode.draft_vocab import with_subset_head
+from decode.kinds import kind_of
 from decode.metrics import (
     ForwardCostMeter,
     acceptance_metrics,
@@ -226,6 +227,14 @@ def _published_gamma(num_draft_tokens: int | str, warm_up: SpecStats | None) -> 
 MIN_COST_SAMPLES = 5  # per forward kind; auto cycles its verify sizes, so it takes at least one round of them
 
 
+def _draft_vocab_size(draft: nn.Module, draft_vocab: Sequence[int] | None) -> int | None:
+    """Tokens the draft proposes from: the subset given, an EAGLE-3 head's own draft vocabulary, or None (all)."""
+    if draft_vocab is not None:
+        return len(set(draft_vocab))
+    ids = getattr(draft, "draft_ids", None)
+    return int(ids.numel()) if ids is not None else None
+
+
 def _load_avg() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
@@ -305,6 +314,9 @@ def run_bench(
     if repeats < 1 or batch_size < 1:
         raise ValueError("repeats and batch_size must be >= 1")
     vocab = check_vocab_compatible(target, draft, tokenizer)
+    kind = kind_of(draft)
+    if kind != "standalone" and "hf" in baselines:
+        raise ValueError(f"HF assisted generation cannot run a draft of kind {kind}: bench it with baselines target")
     methods = _methods(baselines, batch_size, kernels.applies(target, draft))
     eos_id = tokenizer.eos_token_id
     eos = {eos_id} if eos_id is not None else set()
@@ -404,7 +416,8 @@ def run_bench(
             num_draft_tokens,
         ),  # fmt: skip
         **acceptance_metrics(spec_stats),
-        "draft_vocab_size": len(set(draft_vocab)) if draft_vocab is not None else None,
+        "draft_kind": kind,
+        "draft_vocab_size": _draft_vocab_size(draft, draft_vocab),
         "draft_cost_ratio": c,
         "verify_cost_ratio": v,
         "leviathan_bound": leviathan_bound(solve_acceptance(tau, gamma), gamma, c),

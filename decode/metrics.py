@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from decode.compat import logits_width
-from decode.kv_stream import KVStream, decoding
+from decode.kinds import cost_stream
+from decode.kv_stream import decoding
 from decode.speculative import SpecStats
 
 
@@ -96,10 +96,10 @@ class ForwardCostMeter:
         self.verify: dict[int, list[float]] = {}
         self.prefill_ms: dict[str, float] = {}
         self.prefill_tokens = int(input_ids.shape[1])
-        self.streams: dict[str, KVStream] = {}
+        self.streams: dict = {}  # name -> KVStream (or a draft kind's stream with its interface)
         with decoding(target, draft):
             for name, model in (("target", target), ("draft", draft)):
-                stream = KVStream(model, input_ids.shape[0], logits_width(model))
+                stream = cost_stream(model, input_ids.shape[0])
                 seconds = _timed(stream.device, lambda s=stream: s.feed(input_ids, attention_mask.bool(), keep=1))
                 self.prefill_ms[name] = seconds * 1e3
                 self.streams[name] = stream

@@ -21,12 +21,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from decode.compat import logits_width
 from decode.kinds import eagle3, standalone
 from decode.kinds.standalone import Verified
+from decode.kv_stream import KVStream
 
 KINDS = (standalone.NAME, eagle3.NAME)
 
-__all__ = ["KINDS", "Verified", "drafter_for", "kind_of"]
+__all__ = ["KINDS", "Verified", "cost_stream", "drafter_for", "kind_of"]
 
 
 def kind_of(draft: nn.Module) -> str:
@@ -39,3 +41,10 @@ def drafter_for(draft: nn.Module, batch: int, vocab: int, input_ids: torch.Tenso
     if kind_of(draft) == eagle3.NAME:
         return eagle3.Drafter(draft, batch, vocab)
     return standalone.Drafter(draft, batch, vocab, input_ids, prompt_mask)
+
+
+def cost_stream(model: nn.Module, batch: int):
+    """What ``decode.metrics.ForwardCostMeter`` times a model's KV-cached forwards through, by kind."""
+    if kind_of(model) == eagle3.NAME:
+        return eagle3.CostStream(model, batch)
+    return KVStream(model, batch, logits_width(model))

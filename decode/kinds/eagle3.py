@@ -549,3 +549,30 @@ class Drafter:
         if self.pending is not None:
             rows = rows.to(self.device)
             self.pending = tuple(t[rows] for t in self.pending)
+
+
+class CostStream:
+    """The head's forwards as ``decode.metrics.ForwardCostMeter`` times them (its ``KVStream`` interface): the
+    prompt as one fused read of (zero) features, then single chain steps — what each drafted token costs."""
+
+    def __init__(self, head: Eagle3Head, batch: int):
+        self.model = head
+        self.device = head.fc.weight.device
+        self.vocab = head.vocab
+        self.cache = Eagle3Cache(batch, self.device)
+
+    @property
+    def length(self) -> torch.Tensor:
+        return self.cache.length
+
+    def feed(self, ids: torch.Tensor, valid: torch.Tensor | None, keep: int) -> torch.Tensor:
+        ids = ids.to(self.device)
+        fused = self.cache.slots == 0
+        width = 3 * self.model.config.target_hidden_size if fused else self.model.config.hidden_size
+        hidden = torch.zeros(*ids.shape, width, dtype=self.model.fc.weight.dtype, device=self.device)
+        real = torch.ones(ids.shape, dtype=torch.bool, device=self.device) if valid is None else valid.to(self.device)
+        logits, _ = self.model(ids, hidden, self.cache.positions(real), self.cache, real, fused=fused)
+        return self.model.full_logits(logits[:, -keep:])
+
+    def rollback(self, num_new: int, keep: torch.Tensor, keep_list: list[int]) -> None:
+        self.cache.crop(num_new)

@@ -1,0 +1,271 @@
+"""The EAGLE-3 draft kind in draftsmith's decoder: its training unroll is its decoding path, greedy output equals
+target-only for every architecture and batch shape, sampling follows the target's distribution, and the served
+checkpoint round-trips."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from decode.kinds import eagle3, kind_of
+from decode.speculative import speculative_generate, target_generate
+from tests.decode_helpers import left_pad
+from tests.tiny import CHAR_VOCAB, tiny_config
+
+EAGLE_ARCHS = ("llama", "qwen2", "mistral", "gemma2")
+
+
+def tiny_target(arch: str = "llama", vocab: int = CHAR_VOCAB, layers: int = 4, seed: int = 0):
+    torch.manual_seed(seed)
+    config = tiny_config(arch, vocab, layers=layers, special_id=None)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def features_of(target, ids: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target logits [B, S, V], aux features [B, S, 3H]) of one plain forward."""
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    return out.logits, torch.cat([out.hidden_states[i] for i in layers], -1)
+
+
+def fit_head(target, draft_ids, steps: int = 60, seed: int = 0) -> eagle3.Eagle3Head:
+    """A head fitted for a few steps to the target's greedy continuations (so it accepts some, not all, tokens)."""
+    head = eagle3.build(target, draft_ids)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, target.config.vocab_size, (8, 6), generator=gen)
+    ids = torch.cat([prompts, torch.tensor(target_generate(target, prompts, max_new_tokens=26).new_tokens)], 1)
+    logits, features = features_of(target, ids, head.aux_layers)
+    # Teacher over the draft vocabulary, at position i + k + 1 for step k.
+    teacher = logits[..., head.draft_ids].softmax(-1)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(steps):
+        out = head.unrolled(ids, features, positions, valid, steps=2)
+        loss = 0.0
+        for k, step_logits in enumerate(out):
+            mask = eagle3.step_mask(valid, k)
+            target_p = torch.cat([teacher[:, k + 1 :], torch.zeros_like(teacher[:, : k + 1])], 1)
+            loss = loss - (target_p * step_logits.log_softmax(-1)).sum(-1)[mask].mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    target = tiny_target("llama")
+    return target, fit_head(target, range(0, CHAR_VOCAB - 7))
+
+
+def test_unrolled_training_is_the_decoding_path():
+    """Step k of the training unroll at position p gives the logits of the k-th chained draft forward from p."""
+    target = tiny_target("llama")
+    head = eagle3.build(target, range(0, CHAR_VOCAB, 2))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    ids = torch.randint(0, CHAR_VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    _, features = features_of(target, ids, head.aux_layers)
+    positions = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        unrolled = head.unrolled(ids, features, positions, torch.ones_like(ids, dtype=torch.bool), steps=3)
+        cache = eagle3.Eagle3Cache(2, torch.device("cpu"))
+        p = 6
+        real = torch.ones(2, p + 1, dtype=torch.bool)
+        logits, prenorm = head(
+            eagle3.shift_left(ids, 1)[:, : p + 1], features[:, : p + 1], cache.positions(real), cache, fused=True
+        )
+        torch.testing.assert_close(logits, unrolled[0][:, : p + 1], atol=1e-5, rtol=1e-5)
+        hidden = prenorm[:, -1:]
+        for k in (1, 2):
+            one = torch.ones(2, 1, dtype=torch.bool)
+            logits, hidden = head(ids[:, p + k + 1 : p + k + 2], hidden, cache.positions(one), cache, fused=False)
+            torch.testing.assert_close(logits[:, -1], unrolled[k][:, p], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", EAGLE_ARCHS)
+def test_greedy_equals_target_only_every_architecture(arch):
+    target = tiny_target(arch)
+    head = fit_head(target, range(CHAR_VOCAB), steps=40)
+    assert kind_of(head) == "eagle3"
+    prompt = torch.randint(0, CHAR_VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    want = target_generate(target, prompt, max_new_tokens=40, eos_token_id=[]).new_tokens
+    for gamma in (1, 3, "auto"):
+        out = speculative_generate(target, head, prompt, max_new_tokens=40, num_draft_tokens=gamma, eos_token_id=[])
+        assert out.new_tokens == want, (arch, gamma)
+    assert out.stats.accepted > 0  # the fitted head does propose accepted tokens: the accept paths are exercised
+
+
+def test_greedy_batch_with_left_padding_equals_each_row_alone(llama_pair):
+    target, head = llama_pair
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, CHAR_VOCAB, (n,), generator=gen) for n in (3, 9, 6, 1)]
+    ids, mask = left_pad(prompts)
+    out = speculative_generate(target, head, ids, mask, max_new_tokens=30, num_draft_tokens=4, eos_token_id=[])
+    for row, prompt in enumerate(prompts):
+        alone = target_generate(target, prompt[None], max_new_tokens=30, eos_token_id=[]).new_tokens[0]
+        assert out.new_tokens[row] == alone
+    s = out.stats
+    assert 0 < s.accepted < s.drafted  # rows accept different numbers of tokens: holes in both caches
+
+
+def test_rows_finishing_early_and_eos(llama_pair):
+    target, head = llama_pair
+    ids, mask = left_pad([torch.tensor([4, 5, 6]), torch.tensor([7, 8, 9, 10, 11])])
+    eos = target_generate(target, ids[:1, -3:], max_new_tokens=5, eos_token_id=[]).new_tokens[0][3]
+    out = speculative_generate(target, head, ids, mask, max_new_tokens=24, num_draft_tokens=3, eos_token_id=eos)
+    ref = target_generate(target, ids, mask, max_new_tokens=24, eos_token_id=eos)
+    assert out.new_tokens == ref.new_tokens
+    assert out.new_tokens[0][-1] == eos and len(out.new_tokens[0]) <= 4
+
+
+def test_draft_vocabulary_is_all_it_proposes(llama_pair):
+    """Sampling from the head never proposes a token outside its draft vocabulary (q is 0 there)."""
+    target, head = llama_pair
+    outside = set(range(CHAR_VOCAB)) - set(head.draft_ids.tolist())
+    drafter_tokens = []
+    original = head.full_logits
+
+    def spy(draft_logits):
+        full = original(draft_logits)
+        drafter_tokens.append(full)
+        return full
+
+    head.full_logits = spy
+    try:
+        prompt = torch.randint(0, CHAR_VOCAB, (16, 5), generator=torch.Generator().manual_seed(9))
+        speculative_generate(target, head, prompt, max_new_tokens=12, num_draft_tokens=3, temperature=1.5,
+                             eos_token_id=[], generator=torch.Generator().manual_seed(0))  # fmt: skip
+    finally:
+        del head.full_logits
+    probs = torch.cat([f.reshape(-1, CHAR_VOCAB) for f in drafter_tokens]).softmax(-1)
+    assert float(probs[:, sorted(outside)].sum()) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling follows the target's distribution (chi-square, with a negative control)
+# ---------------------------------------------------------------------------------------------------------------
+SV, NEW, ROWS = 4, 4, 8000
+ALPHA = 1e-4
+
+
+def _sequence_probs(target, prompt: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Exact probability of every NEW-token continuation of ``prompt`` [1, P] under the target, [SV ** NEW]."""
+    seqs = torch.cartesian_prod(*[torch.arange(SV)] * NEW)  # [SV ** NEW, NEW]
+    ids = torch.cat([prompt.expand(len(seqs), -1), seqs], 1)
+    with torch.no_grad():
+        logp = (target(ids).logits[:, prompt.shape[1] - 1 : -1] / temperature).log_softmax(-1)
+    return logp.gather(-1, seqs[..., None]).squeeze(-1).sum(-1).exp()
+
+
+def _p_value(sequences: list[list[int]], expected: torch.Tensor) -> float:
+    index = torch.tensor([sum(t * SV ** (NEW - 1 - i) for i, t in enumerate(s)) for s in sequences])
+    observed = torch.bincount(index, minlength=SV**NEW).double()
+    exp = expected.double() * len(sequences)
+    stat = ((observed - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor((SV**NEW - 1) / 2), stat / 2))
+
+
+def _sampled_p_value(temperature: float) -> tuple[float, object]:
+    target = tiny_target("llama", vocab=SV, layers=4, seed=1)
+    with torch.no_grad():  # sharper target: the draft's q differs from p, and rejections happen
+        target.lm_head.weight.mul_(8.0)
+    head = eagle3.build(target, [0, 1, 3])  # a draft vocabulary without token 2
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.5)
+    prompt = torch.tensor([[1, 3, 0]])
+    out = speculative_generate(
+        target, head, prompt.expand(ROWS, -1), max_new_tokens=NEW, num_draft_tokens=2, temperature=temperature,
+        eos_token_id=[], generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    return _p_value(out.new_tokens, _sequence_probs(target, prompt, temperature)), out.stats
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampling_follows_target_distribution(temperature):
+    p_value, stats = _sampled_p_value(temperature)
+    assert 0 < stats.accepted < stats.drafted  # both accept and reject paths ran
+    assert p_value > ALPHA
+
+
+def test_sampling_negative_control_fails(monkeypatch):
+    from decode import acceptance
+
+    def accept_always(draft_tokens, q, p, generator=None):
+        batch, g = draft_tokens.shape
+        accepted = torch.full((batch,), g)
+        return accepted, torch.multinomial(p[torch.arange(batch), accepted], 1, generator=generator).squeeze(-1)
+
+    monkeypatch.setattr(acceptance, "accept_sampled", accept_always)
+    assert _sampled_p_value(1.0)[0] < ALPHA
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The served checkpoint
+# ---------------------------------------------------------------------------------------------------------------
+def test_save_load_round_trip_in_the_served_layout(tmp_path, llama_pair):
+    target, head = llama_pair
+    eagle3.save(head, tmp_path)
+    assert eagle3.is_eagle3(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["draft_vocab_size"] == len(head.draft_ids)
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]  # (2, L//2, L-3) for 4 layers
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert not any(k.startswith("embed_tokens") for k in tensors)
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight"} <= set(tensors)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * config["hidden_size"]
+    assert torch.equal(torch.arange(len(head.draft_ids)) + tensors["d2t"], head.draft_ids)
+    assert int(tensors["t2d"].sum()) == len(head.draft_ids)
+    loaded = eagle3.load(tmp_path, target)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    a = speculative_generate(target, head, prompt, max_new_tokens=16, num_draft_tokens=3, eos_token_id=[])
+    b = speculative_generate(target, loaded, prompt, max_new_tokens=16, num_draft_tokens=3, eos_token_id=[])
+    assert a.stats.per_position_accepted == b.stats.per_position_accepted and a.new_tokens == b.new_tokens
+
+
+def test_bad_heads_and_layer_ids(tmp_path, llama_pair):
+    target, head = llama_pair
+    with pytest.raises(ValueError, match=r"outside the target's layers.*0\.\.4"):
+        eagle3.build(target, range(10), aux_layers=[1, 2, 9])
+    with pytest.raises(ValueError, match="exactly 3"):
+        eagle3.build(target, range(10), aux_layers=[1, 2])
+    with pytest.raises(ValueError, match="not in 1..97"):
+        eagle3.head_config(target, 98)
+    other = tiny_target("llama", vocab=50)
+    eagle3.save(head, tmp_path)
+    with pytest.raises(ValueError, match="pass the target it was trained on"):
+        eagle3.load(tmp_path, other)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The bench and its CLI
+# ---------------------------------------------------------------------------------------------------------------
+def test_bench_cli_measures_an_eagle3_head_and_refuses_hf(tmp_path, llama_pair):
+    from decode.__main__ import main
+    from tests.tiny import char_tokenizer, make_prompts
+
+    target, head = llama_pair
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer().save_pretrained(tmp_path / "target")
+    eagle3.save(head, tmp_path / "head")
+    prompts = make_prompts(tmp_path / "p.jsonl", 3, chars=20)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "head"), "--prompts", str(prompts),
+            "--max-new-tokens", "16", "--repeats", "1", "--dtype", "float32", "--num-draft-tokens", "3",
+            "--no-progress"]  # fmt: skip
+    assert main([*argv, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["draft_kind"] == "eagle3" and result["draft_vocab_size"] == len(head.draft_ids)
+    assert result["outputs_match_target"] is True and result["tokens_per_s"]["hf_assisted"] is None
+    assert 0 < result["acceptance_rate"] < 1 and 0 < result["draft_cost_ratio"] < 1
+    assert main([*argv, "--baselines", "target,hf"]) == 2
