@@ -35,6 +35,7 @@ def _check(cond: bool, key: str, msg: str) -> None:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+EAGLE3_VOCAB = 8192  # draft.kind=eagle3, draft.vocab_subset=0: the head's vocabulary (capped at the target's)
 ENGINES = ("draftsmith", "vllm")  # what measures a draft: draftsmith's own decoder, or vLLM (decode.vllm_engine)
 
 
@@ -90,8 +91,20 @@ class ModelConfig:
 
 @dataclass
 class DraftConfig(ModelConfig):
-    """The draft: a model to load (`model`), or one built from the target (`init: truncate`)."""
+    """The draft: a model to load (`model`), or one built from the target (`init: truncate`), or an EAGLE-3 head
+    over the target's hidden states (`kind: eagle3`)."""
 
+    kind: Literal["standalone", "eagle3"] = _f(
+        "standalone",
+        "standalone: a small causal LM with the target's tokenizer; eagle3: a one-layer head that reads the "
+        "target's own hidden states at three layers (decode.kinds.eagle3), built from the target (draft.model "
+        "empty) or started from an EAGLE-3 head folder (draft.model)",
+    )
+    aux_layers: list[int] | None = _f(
+        None,
+        "kind=eagle3: the 3 target layers whose hidden states the head fuses, as hidden_states indices (0 = the "
+        "embeddings, L = the last layer's output; vLLM's convention); null: (2, L//2, L-3)",
+    )
     init: Literal["pretrained", "truncate"] = _f(
         "pretrained", "pretrained: load draft.model; truncate: the target's embeddings, first init_layers layers, head"
     )
@@ -99,12 +112,21 @@ class DraftConfig(ModelConfig):
     vocab_subset: int = _f(
         0,
         "draftsmith's decoder drafts from the N tokens the target writes most often (draft_vocab.json in every "
-        "checkpoint); the checkpoint keeps its full head for HF/vLLM/SGLang. 0: the whole vocabulary",
+        "checkpoint); the checkpoint keeps its full head for HF/vLLM/SGLang. 0: the whole vocabulary. "
+        "kind=eagle3: the size of the head's own output vocabulary (the N tokens most frequent in the training "
+        f"continuations, EOS always in); 0: min({EAGLE3_VOCAB}, the target's vocabulary)",
     )
 
     def __post_init__(self) -> None:
         _check(self.init_layers > 0, "draft.init_layers", f"must be > 0, got {self.init_layers}")
         _check(self.vocab_subset >= 0, "draft.vocab_subset", f"must be >= 0 (0: all tokens), got {self.vocab_subset}")
+        if self.aux_layers is not None:
+            _check(
+                len(self.aux_layers) == 3 and all(a >= 0 for a in self.aux_layers),
+                "draft.aux_layers",
+                f"an EAGLE-3 head fuses 3 target layers: give 3 ids >= 0 (or null for the default), "
+                f"got {self.aux_layers}",
+            )
 
 
 @dataclass
@@ -185,6 +207,14 @@ class DistillConfig:
         "memory: when the sequence comes back in a later epoch the step skips the target's forward",
     )
     cache_dir: str = _f("", "target continuation cache (empty: <output_dir>/rollout_cache); runs may share one")
+    ttt_steps: int = _f(
+        3,
+        "draft.kind=eagle3: steps of the training-time test, the head fed its own output for each step after the "
+        "first (decode.kinds.eagle3.TTT_STEPS)",
+    )
+    step_weight: float = _f(
+        0.8, "draft.kind=eagle3: unrolled step k's loss weighs step_weight**k (EAGLE-3's 0.8; 1: all equal)"
+    )
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.beta <= 1.0, "distill.beta", f"must be in [0, 1], got {self.beta}")
@@ -194,6 +224,8 @@ class DistillConfig:
         _check(self.max_new_tokens > 0, "distill.max_new_tokens", "must be > 0")
         _check(self.top_k >= 0, "distill.top_k", "must be >= 0")
         _check(self.pregenerate_batch_size > 0, "distill.pregenerate_batch_size", "must be > 0")
+        _check(self.ttt_steps >= 1, "distill.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
+        _check(0.0 < self.step_weight <= 1.0, "distill.step_weight", f"must be in (0, 1], got {self.step_weight}")
         _check(
             self.num_draft_tokens == "auto" or (isinstance(self.num_draft_tokens, int) and self.num_draft_tokens >= 0),
             "distill.num_draft_tokens",
@@ -347,7 +379,9 @@ class Recipe:
         _check(not self.target.lora.enabled, "target.lora.enabled", "the target is frozen; put LoRA on the draft")
         if self.publish.push_to_hub:
             _check(bool(self.publish.repo_id), "publish.repo_id", "set USER/NAME when publish.push_to_hub is true")
-        if self.distill.loss_vocab == "subset":
+        if self.draft.kind == "eagle3":
+            _check_eagle3(self)
+        elif self.distill.loss_vocab == "subset":
             _check(
                 self.draft.vocab_subset > 0,
                 "distill.loss_vocab",
@@ -363,6 +397,43 @@ class Recipe:
                 "distill.loss_vocab",
                 "subset swaps the draft's output layer, which a LoRA draft wraps: set loss_vocab=full",
             )
+
+
+def _check_eagle3(recipe: Recipe) -> None:
+    """draft.kind=eagle3: the options that concern a standalone draft, and sources that give the step no target
+    hidden states, are refused (one line each)."""
+    draft, cfg, key = recipe.draft, recipe.distill, "draft.kind"
+    _check(not draft.lora.enabled, key, "eagle3 trains the whole head (no LoRA): set draft.lora.enabled=false")
+    _check(not draft.quantization.enabled, key, "eagle3 trains the head in full precision: remove draft.quantization")
+    _check(
+        draft.init == "pretrained",
+        key,
+        "eagle3 builds its head from the target (draft.model empty) or loads an EAGLE-3 head folder: remove "
+        "draft.init",
+    )
+    _check(
+        cfg.source in ("target", "fixed"),
+        key,
+        f"eagle3 trains on the target's continuations or fixed data; distill.source={cfg.source} samples from "
+        "the draft: set distill.source=target (or fixed)",
+    )
+    _check(
+        not cfg.cache_teacher,
+        key,
+        "eagle3 runs the target every step for its hidden states, so there is no teacher to cache: set "
+        "distill.cache_teacher=false",
+    )
+    _check(
+        cfg.loss_vocab == "full" and cfg.top_k == 0,
+        key,
+        "eagle3's loss always covers the head's draft vocabulary (draft.vocab_subset) plus the target's tail mass: "
+        "leave distill.loss_vocab=full and distill.top_k=0",
+    )
+    _check(
+        not recipe.train.gradient_checkpointing,
+        key,
+        "eagle3's head is one layer: set train.gradient_checkpointing=false",
+    )
 
 
 # ---------------------------------------------------------------- pretraining (train/pretrain.py)

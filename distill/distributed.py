@@ -60,14 +60,21 @@ def check_engine(
     zero_stage: int | None = None,
     ram_efficient_loading: bool = False,
     subset_head: bool = False,
+    eagle3_head: bool = False,
 ) -> None:
     """Refuse, before any model is loaded, a launch that cannot work here (one line naming the fix).
 
     Raises:
         ValueError: DeepSpeed without the package or without CUDA, ZeRO-3, FSDP with a draft that rank 0
             could not run alone (on-policy rollouts, quantized or LoRA drafts), FSDP's RAM-efficient loading, or
-            either with `subset_head` (distill.loss_vocab=subset swaps the draft's output layer).
+            either with `subset_head` (distill.loss_vocab=subset swaps the draft's output layer), FSDP with an
+            EAGLE-3 head (`eagle3_head`: rank 0 rebuilds a sharded draft as an HF causal LM, which a head is not).
     """
+    if requested == "fsdp" and eagle3_head:
+        raise ValueError(
+            "draft.kind=eagle3 trains a one-layer head that every process holds whole: launch with "
+            "recipes/accelerate/multi_gpu.yaml (data parallel) instead of FSDP"
+        )
     if requested in ("deepspeed", "fsdp") and subset_head:
         raise ValueError(
             f"distill.loss_vocab=subset swaps the draft's output layer for each forward, which {requested}'s wrapped "
@@ -125,6 +132,7 @@ def check_launch(recipe: Any, env: Mapping[str, str] = os.environ) -> str | None
         zero_stage=int(stage) if stage.isdigit() else None,
         ram_efficient_loading=env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() in ("true", "1"),
         subset_head=recipe.distill.loss_vocab == "subset",
+        eagle3_head=recipe.draft.kind == "eagle3",
     )
     return requested
 

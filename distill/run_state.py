@@ -249,7 +249,12 @@ class RunState:
         from decode.draft_vocab import save_ids, with_masked_head
         from distill import models
 
-        if self.draft_vocab is None:
+        if getattr(draft, "kind", None) == "eagle3":  # the served format: config.json + model.safetensors
+            from decode.kinds import eagle3
+
+            eagle3.save(draft, tmp)
+            tokenizer.save_pretrained(tmp)  # the head has the target's tokenizer; engines and the card read it
+        elif self.draft_vocab is None:
             models.save_draft(draft, tmp, tokenizer)
         else:
             ids, vocab, source, text = self.draft_vocab

@@ -137,7 +137,9 @@ def evaluate(
             prompts,
             recipe,
             draft_name=recipe.draft.model,
-            hf_assisted=not hasattr(served, "peft_config"),
+            # HF assisted generation runs standalone LMs only (no LoRA wrapper; an EAGLE-3 head has no forward of
+            # its own as an LM)
+            hf_assisted=not hasattr(served, "peft_config") and getattr(served, "kind", "standalone") == "standalone",
             samples_out=samples_out,
             progress=True,
             draft_vocab=draft_vocab,

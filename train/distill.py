@@ -114,10 +114,12 @@ def resolve_local_artifacts(recipe: Recipe, rebuild: bool, is_main: bool) -> Non
     from distill.pretraining import ensure_quickstart_pair, quickstart_cache_dir
     from distill.quickstart import ensure_stdlib_prompts
 
-    if rebuild or not (recipe.target.model and recipe.draft.model):
+    needs_draft = recipe.draft.kind == "standalone"  # an EAGLE-3 head is built from the target
+    if rebuild or not (recipe.target.model and (recipe.draft.model or not needs_draft)):
         target, draft = ensure_quickstart_pair(rebuild=rebuild and is_main, progress=is_main)
         recipe.target.model = recipe.target.model or str(target)
-        recipe.draft.model = recipe.draft.model or str(draft)
+        if needs_draft:
+            recipe.draft.model = recipe.draft.model or str(draft)
     if rebuild or not (recipe.data.train_prompts and recipe.data.eval_prompts):
         train_prompts, eval_prompts = ensure_stdlib_prompts(quickstart_cache_dir(), rebuild=rebuild and is_main)
         recipe.data.train_prompts = recipe.data.train_prompts or str(train_prompts)
@@ -164,6 +166,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         data,
         distributed,
         draft_init,
+        eagle3_train,
         models,
         preflight,
         prompt_gen,
@@ -199,6 +202,11 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     with accelerator.main_process_first():
         resolve_local_artifacts(recipe, args.rebuild, accelerator.is_main_process)
         draft_init.resolve_draft_init(recipe, out)  # draft.init=truncate: build the draft from the target once
+    head_kind = recipe.draft.kind == "eagle3"  # an EAGLE-3 head over the target's hidden states (distill.eagle3_train)
+    if head_kind and recipe.eval.hf_assisted:
+        recipe.eval.hf_assisted = False
+        if accelerator.is_main_process:
+            print("note: eval.hf_assisted=false: HF assisted generation cannot run an EAGLE-3 head")
     if accelerator.is_main_process:
         if args.resume:  # the resolved recipe is compared with the run's before it is replaced
             for change in check_resume_recipe(out, recipe, args.allow_recipe_change):
@@ -211,11 +219,14 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     with accelerator.main_process_first():
         tokenizer = models.load_tokenizer(recipe.target.model, recipe.target, key="target.model")
         target = models.load_target(recipe.target, device=accelerator.device)
-        draft = models.load_draft(
-            recipe.draft, device=accelerator.device, gradient_checkpointing=recipe.train.gradient_checkpointing
-        )
-        draft_tokenizer = models.load_tokenizer(recipe.draft.model, recipe.draft, key="draft.model")
-    vocab_size = models.check_compatible(target, draft, tokenizer, draft_tokenizer)
+        if head_kind:  # built below, once its draft vocabulary is known
+            draft, draft_tokenizer = None, tokenizer
+        else:
+            draft = models.load_draft(
+                recipe.draft, device=accelerator.device, gradient_checkpointing=recipe.train.gradient_checkpointing
+            )
+            draft_tokenizer = models.load_tokenizer(recipe.draft.model, recipe.draft, key="draft.model")
+    vocab_size = models.check_compatible(target, draft or target, tokenizer, draft_tokenizer)
 
     # ---- data
     prompt_args = dict(
@@ -229,7 +240,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     else:
         with accelerator.main_process_first():  # a Hub data set is downloaded once
             train_rows, eval_rows = prompt_gen.load_train_eval(recipe.data, target, tokenizer, **prompt_args)
-    context = models.context_length(target, draft)
+    context = models.context_length(*[m for m in (target, draft) if m is not None])
     train_prompts = data.encode_examples(
         train_rows,
         tokenizer,
@@ -244,6 +255,51 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         if recipe.train.mixed_precision == "auto":
             print(f"mixed precision: {mixed_precision} (auto)")
 
+    def make_source() -> rollouts.RolloutSource:
+        return rollouts.RolloutSource(
+            recipe.distill,
+            target,
+            tokenizer,
+            cache_dir=Path(recipe.distill.cache_dir) if recipe.distill.cache_dir else out / "rollout_cache",
+            seed=recipe.train.seed,
+            process_index=rank,
+            num_draft_tokens=recipe.distill.num_draft_tokens,
+            vocab=vocab_size,
+        )
+
+    def pregenerate(source: rollouts.RolloutSource, timer: Timer, rollout_draft: torch.nn.Module | None) -> None:
+        """The target's continuations, generated before the first step on the training clock (source target/mix
+        with the cache): a run is charged for every target forward it needs, as source=schedule's on-demand
+        target phase is."""
+        if recipe.distill.source not in ("target", "mix") or not recipe.distill.cache_rollouts:
+            return
+        with timer.running():
+            made = source.pregenerate(
+                train_prompts, rollout_draft, accelerator=accelerator, batch_size=recipe.distill.pregenerate_batch_size
+            )
+        if accelerator.is_main_process and made:
+            total = len(source.cache) if source.cache is not None else made  # every process's, once all are done
+            print(f"data: {total} target continuations in {timer.elapsed_s:.2f} s (on the training clock)")
+
+    def frequent_tokens(source: rollouts.RolloutSource, size: int) -> tuple[list[int], str]:
+        """draft.vocab_subset: the `size` tokens most frequent in the training continuations, and where from."""
+        cached = source.cache.completions() if source.cache is not None else []
+        return draft_vocabulary(size, train_prompts, cached, vocab_size, source.eos_token_id)
+
+    pregen = Timer(0.0)  # draft.kind=eagle3: its continuations are generated before the head is built
+    if head_kind:
+        source = make_source()
+        pregenerate(source, pregen, None)  # the target alone: a fresh head would not speed its generation up
+        ids, where = frequent_tokens(source, eagle3_train.vocab_size(recipe.draft.vocab_subset, vocab_size))
+        # --resume: the newest checkpoint's head (its own vocabulary); a resume-only checkpoint holds no head, and
+        # the vocabulary above, from the same cached continuations, is the one the run started with
+        found = newest_checkpoint(ckpt_root) if args.resume else None
+        head = eagle3_train.initial_head(recipe, target, ids, found[1] if found else None)
+        if accelerator.is_main_process:
+            size, aux = len(head.draft_ids), head.aux_layers
+            print(f"eagle3 head: draft vocabulary of {size} of {vocab_size} tokens ({where}), aux layers {aux}")
+        draft = eagle3_train.Unrolled(head)
+
     # ---- optimizer
     optimizer = build_optimizer(draft, recipe.train)
     clock = schedule.TrainClock()  # the lr decays over train.schedule_by's horizon: steps or training minutes
@@ -252,7 +308,8 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     # ---- prepare
     draft, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
     engine = distributed.report_engine(accelerator, accelerator.unwrap_model(draft))
-    rollout_draft = distributed.rollout_draft(accelerator.unwrap_model(draft))  # None: sharded, target alone
+    # None (the target alone): a sharded draft, or an EAGLE-3 head, which cannot generate without the target
+    rollout_draft = None if head_kind else distributed.rollout_draft(accelerator.unwrap_model(draft))
     accelerator.init_trackers(
         recipe.log.project, config={**to_dict(recipe), "distributed": engine}, init_kwargs=init_kwargs
     )
@@ -269,42 +326,22 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
             if accelerator.is_main_process:
                 print(f"resumed from {path} (step {start_step}, {state.train_s / 60:.1f} training minutes)")
     metrics.log({"distributed": engine}, step=start_step)
-    source = rollouts.RolloutSource(
-        recipe.distill,
-        target,
-        tokenizer,
-        cache_dir=Path(recipe.distill.cache_dir) if recipe.distill.cache_dir else out / "rollout_cache",
-        seed=recipe.train.seed,
-        process_index=rank,
-        num_draft_tokens=recipe.distill.num_draft_tokens,
-        vocab=vocab_size,
-    )
+    if not head_kind:
+        source = make_source()
     # distill.cache_teacher: the target's top-k rows of sequences that come back in later epochs
     teachers = (
         teacher_cache.TeacherCache(recipe.distill.top_k, recipe.distill.temperature)
         if recipe.distill.cache_teacher
         else None
     )
-    timer = Timer(recipe.train.max_minutes, elapsed_s=state.train_s)
-    if recipe.distill.source in ("target", "mix") and recipe.distill.cache_rollouts:
-        # generating the training data is part of the training budget (train.max_minutes), as it is for
-        # source=schedule's on-demand target phase: a run is charged for every target forward it needs
-        with timer.running():
-            made = source.pregenerate(
-                train_prompts,
-                rollout_draft,
-                accelerator=accelerator,
-                batch_size=recipe.distill.pregenerate_batch_size,
-            )
-        if accelerator.is_main_process and made:
-            total = len(source.cache) if source.cache is not None else made  # every process's, once all are done
-            print(f"data: {total} target continuations in {timer.elapsed_s:.2f} s (on the training clock)")
+    timer = Timer(recipe.train.max_minutes, elapsed_s=state.train_s + pregen.elapsed_s)
+    if not head_kind:
+        pregenerate(source, timer, rollout_draft)
 
-    draft_vocab = None
-    if recipe.draft.vocab_subset:
+    draft_vocab = None  # an EAGLE-3 head carries its own (head.draft_ids)
+    if recipe.draft.vocab_subset and not head_kind:
+        draft_vocab, where = frequent_tokens(source, recipe.draft.vocab_subset)
         cached = source.cache.completions() if source.cache is not None else []
-        size = recipe.draft.vocab_subset
-        draft_vocab, where = draft_vocabulary(size, train_prompts, cached, vocab_size, source.eos_token_id)
         state.draft_vocab = (draft_vocab, vocab_size, where, vocabulary_text(train_prompts, cached)[0])
         if accelerator.is_main_process:
             print(f"draft vocabulary: the {len(draft_vocab)} of {vocab_size} tokens most frequent in the {where}")
@@ -322,6 +359,8 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         full = distributed.full_draft(
             draft, accelerator.unwrap_model(draft), accelerator.is_main_process, accelerator.device
         )
+        if head_kind and full is not None:
+            full = eagle3_train.head_of(full)  # evaluated and saved as served
         if accelerator.is_main_process:
             tmp = state.tmp_dir(step)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -351,6 +390,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                 t0 = time.perf_counter()
                 gen_s, n_tokens, batch_tokens, loss_sum, agree_sum = 0.0, 0, 0, 0.0, 0.0
                 teacher_forwards = 0
+                step_stats: dict[str, float] = {}  # eagle3: per unrolled step k, train/loss_k and train/acc_k
                 clock_before_s = clock.elapsed_s
                 for micro in range(recipe.train.grad_accum):
                     idx = batch_indices(step, micro, recipe.train, len(train_prompts), rank, world)
@@ -371,12 +411,18 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                         loss_positions=recipe.distill.loss_positions,
                     )  # fmt: skip
                     with accelerator.accumulate(draft):
-                        with training_head(trained, subset_head):
-                            student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-                        loss, agreement, scored = step_loss(
-                            student.logits, batch, pairs, target, recipe, vocab_size, teachers,
-                            source.last_source == "draft", position=subset_position,
-                        )  # fmt: skip
+                        if head_kind:  # the target's hidden states and logits, the head unrolled over them
+                            loss, unrolled = eagle3_train.step_loss(draft, target, batch, recipe.distill)
+                            agreement, scored = unrolled.get("train/acc_0", 0.0), len(pairs)
+                            for key, value in unrolled.items():
+                                step_stats[key] = step_stats.get(key, 0.0) + value / recipe.train.grad_accum
+                        else:
+                            with training_head(trained, subset_head):
+                                student = draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                            loss, agreement, scored = step_loss(
+                                student.logits, batch, pairs, target, recipe, vocab_size, teachers,
+                                source.last_source == "draft", position=subset_position,
+                            )  # fmt: skip
                         teacher_forwards += scored
                         check_finite(accelerator, loss, step, ckpt_root)
                         accelerator.backward(loss)
@@ -407,6 +453,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                         "train/rollout_s": gen_s,
                         "train/on_policy": float(source.last_source == "draft"),
                         "train/minutes": timer.elapsed_s / 60.0,
+                        **step_stats,
                         **(
                             {
                                 # sequences of this step the target had to score (the rest came from the cache)
