@@ -52,13 +52,17 @@ def evaluate_vllm(
     The target is loaded by vLLM from its recipe path in the dtype of the loaded ``target``; the draft is saved
     to a temporary directory in that dtype with the target's vocab_size.
     """
+    from decode.kinds import eagle3, kind_of
     from decode.vllm_engine import bench_in_subprocess, save_draft_for_vllm
 
     dtype = next(target.parameters()).dtype
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):  # a quantized target: vLLM loads it unquantized
         dtype = torch.bfloat16
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-draft-") as tmp:
-        draft_dir = save_draft_for_vllm(draft, tokenizer, target.config, Path(tmp) / "draft", dtype=dtype)
+        if kind_of(draft) == eagle3.NAME:  # the served format; vLLM takes the embedding and tokenizer from the target
+            draft_dir = eagle3.save(draft, Path(tmp) / "draft", dtype=dtype)
+        else:
+            draft_dir = save_draft_for_vllm(draft, tokenizer, target.config, Path(tmp) / "draft", dtype=dtype)
         settings = _bench_settings(recipe, _dtype_name(dtype))
         settings["samples_out"] = str(samples_out) if samples_out is not None else None
         result = bench_in_subprocess(
@@ -73,16 +77,22 @@ def _bench_draftsmith(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from decode.bench import run_bench
+    from decode.kinds import eagle3
 
     ev, kw = recipe.eval, {"dtype": getattr(torch, dtype), "trust_remote_code": recipe.target.trust_remote_code}
     target = AutoModelForCausalLM.from_pretrained(recipe.target.model, **kw).eval()
-    draft = AutoModelForCausalLM.from_pretrained(best, **kw).eval()
+    head = eagle3.is_eagle3(best)
+    if head:  # HF assisted generation cannot run an EAGLE-3 head: target-only is its only baseline
+        draft = eagle3.load(best, target).to(getattr(torch, dtype)).eval()
+    else:
+        draft = AutoModelForCausalLM.from_pretrained(best, **kw).eval()
     return run_bench(
         target, draft, AutoTokenizer.from_pretrained(recipe.target.model), list(prompts),
         target_name=recipe.target.model, draft_name=str(best), max_new_tokens=ev.max_new_tokens,
         temperature=ev.temperature, top_p=ev.top_p, top_k=ev.top_k, num_draft_tokens=ev.num_draft_tokens,
         batch_size=ev.batch_size, repeats=ev.repeats, seed=recipe.train.seed,
-        baselines=("target", "hf") if ev.hf_assisted and ev.batch_size == 1 else ("target",), progress=False,
+        baselines=("target", "hf") if ev.hf_assisted and ev.batch_size == 1 and not head else ("target",),
+        progress=False,
     )  # fmt: skip
 
 
