@@ -72,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     b.add_argument("--repeats", type=int, default=3, help="timed repeats per method; the median counts")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--baselines", type=_baselines, default=("target", "hf"), help="comma list of: target, hf")
+    b.add_argument(
+        "--baselines", type=_baselines, default=None,
+        help="comma list of: target, hf (default target,hf; target for an EAGLE-3 head, which HF cannot run)",
+    )  # fmt: skip
     b.add_argument("--json", dest="json_out", default=None, help="write the result object here")
     b.add_argument("--plot", default=None, help="PNG: per-position acceptance and tokens/s per method")
     b.add_argument("--samples-out", default=None, help="JSONL of every method's output per prompt")
@@ -182,6 +185,22 @@ def bench(args: argparse.Namespace) -> dict:
     return result
 
 
+def baselines_for(draft: str, baselines: tuple[str, ...] | None) -> tuple[str, ...]:
+    """``--baselines`` for this draft: HF assisted generation needs a standalone causal LM as ``assistant_model``,
+    so an EAGLE-3 head folder has target-only by default and a one-line error when hf is asked for."""
+    from decode.kinds import eagle3
+
+    head = eagle3.is_eagle3(draft)
+    if baselines is None:
+        return ("target",) if head else ("target", "hf")
+    if head and "hf" in baselines:
+        raise ValueError(
+            f"--draft {draft} is an EAGLE-3 head: HF assisted generation (assistant_model=) cannot run it, it needs "
+            "a standalone causal LM; drop hf from --baselines"
+        )
+    return baselines
+
+
 def bench_draftsmith(args: argparse.Namespace) -> dict:
     """The default engine: draftsmith's decoder against target-only and HF assisted generation."""
     import torch
@@ -189,6 +208,7 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
     from decode.bench import run_bench
     from decode.compat import check_vocab_compatible
 
+    args.baselines = baselines_for(args.draft, args.baselines)
     target_tok, draft_tok, prompts = check_inputs(args)
     draft_vocab = draft_vocab_ids(args.draft_vocab, args.draft)
     device = (
