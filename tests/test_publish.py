@@ -775,3 +775,52 @@ def test_a_weak_draft_publishes_the_faster_hf_defaults(run_dir, tmp_path):
         "transformers' defaults (20 tokens, confidence threshold 0.4), the faster HF setting in the eval: "
         "20.5 with transformers' defaults against 17.1 tokens/s with γ 4 constant" in card
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# An EAGLE-3 head: published in the served format
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eagle3_run(run_dir, tmp_path_factory) -> Path:
+    """A run whose best/ is an EAGLE-3 head (eagle3.save) for run_dir's target, with its eval and recipe."""
+    from decode.kinds import eagle3
+
+    root = tmp_path_factory.mktemp("eagle3-publish")
+    target_dir = run_dir.parent / "target"
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    run = root / "run"
+    recipe = load_recipe(None, [f"target.model={target_dir}", f"draft.model={run_dir.parent / 'draft'}"])
+    recipe.output_dir = str(run)
+    save_recipe(recipe, run)
+    head = eagle3.build(target, list(range(0, TARGET_VOCAB, 2)), aux_layers=[0, 1, 2])
+    eagle3.save(head, run / "best")
+    (run / "best" / "eval.json").write_text(json.dumps({**BEST, "draft_kind": "eagle3"}))
+    (run / "report.json").write_text(json.dumps({"best": BEST, "best_step": 40, "checkpoints": []}))
+    return run
+
+
+def test_eagle3_head_is_published_as_served(eagle3_run, tmp_path):
+    """The head's own config.json and model.safetensors (no merge, no vocabulary change), the target's tokenizer,
+    the recipe and a card with the vLLM and SGLang eagle3 launch lines; a repo name may say eagle3 (vLLM is told
+    the method), and the card says HF assisted generation cannot run it."""
+    out = tmp_path / "pub"
+    repo = "someone/tiny-eagle3"
+    assert pub.publish(eagle3_run, repo, dry_run_dir=out) == str(out)
+    names = sorted(p.name for p in out.iterdir())
+    assert {"config.json", "model.safetensors", "README.md", "draftsmith_eval.json", "resolved_recipe.yaml"} <= set(
+        names
+    )
+    assert "tokenizer.json" in names and "generation_config.json" not in names
+    for name in ("config.json", "model.safetensors"):
+        assert (out / name).read_bytes() == (eagle3_run / "best" / name).read_bytes()
+    card = (out / "README.md").read_text()
+    gamma = BEST["num_draft_tokens"]
+    spec = json.dumps({"method": "eagle3", "model": repo, "num_speculative_tokens": gamma})
+    assert f"--speculative-config '{spec}'" in card
+    assert "--speculative-algorithm EAGLE3" in card and f"--speculative-draft-model-path {repo}" in card
+    assert f"--speculative-num-steps {gamma} " in card and f"--speculative-num-draft-tokens {gamma + 1}" in card
+    assert "HF assisted generation (`generate(assistant_model=...)`) cannot run this kind" in card
+    assert "assistant_model=draft" not in card and "draft_model" not in card
+    info = json.loads((out / "draftsmith_eval.json").read_text())
+    assert info["draft_kind"] == "eagle3" and info["best"]["acceptance_rate"] == BEST["acceptance_rate"]
+    assert f"{BEST['acceptance_rate']:.3f}" in card

@@ -421,3 +421,86 @@ def test_masked_head_proposes_from_the_draft_vocabulary_when_vllm_samples(vllm_o
     assert proc.returncode == 0, proc.stderr[-3000:]
     proposed = json.loads(proc.stdout.split("PROPOSED ")[-1])
     assert len(proposed) >= 40 and set(proposed) <= set(ids), sorted(set(proposed) - set(ids))[:10]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# EAGLE-3 heads (method eagle3)
+# ---------------------------------------------------------------------------------------------------------------
+def save_eagle3_head(target_dir: str, out: Path, aux_layers=(1, 2, 3)) -> Path:
+    """A fresh EAGLE-3 head for the saved target, over every other token id (d2t offsets are not all zero)."""
+    from transformers import AutoModelForCausalLM
+
+    from decode.kinds import eagle3
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    torch.manual_seed(0)
+    head = eagle3.build(target, list(range(0, VOCAB, 2)), aux_layers=list(aux_layers))
+    with torch.no_grad():  # varied proposals: a fresh fc / layer at std 0.02 would propose one token everywhere
+        for p in head.parameters():
+            p.mul_(10.0)
+    return eagle3.save(head, out)
+
+
+def test_vllm_without_eagle3_is_one_line_naming_the_version():
+    from typing import Literal
+
+    from decode.vllm_engine import EAGLE3_VERSION, eagle3_problem, literal_values
+
+    methods = literal_values(Literal["ngram", Literal["eagle", Literal["eagle3"]]])
+    assert methods == {"ngram", "eagle", "eagle3"}
+    assert eagle3_problem("0.32.0", methods, True) is None
+    for got in (eagle3_problem("0.8.0", {"ngram", "eagle"}, False), eagle3_problem("0.9.0", methods, False)):
+        assert "\n" not in got and "vLLM 0." in got and f">= {EAGLE3_VERSION}" in got
+
+
+def test_eagle3_head_that_vllm_cannot_read_is_refused_first(tmp_path, padded_pair):
+    """Repeated or unsorted aux ids (vLLM collects a sorted set of layers, so fc would get a narrower input) and a
+    head for another target are one-line errors before vLLM starts."""
+    from decode.vllm_engine import check_eagle3_fits
+
+    target, draft, _ = padded_pair
+    head = save_eagle3_head(target, tmp_path / "head")
+    check_eagle3_fits(target, str(head))
+    config = json.loads((head / "config.json").read_text())
+    for aux in ([2, 2, 1], [3, 1, 2], [1, 2, 4]):
+        (head / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": aux}))
+        with pytest.raises(ValueError, match=r"not 3 distinct rising ids among the target's layers 0\.\.3"):
+            check_eagle3_fits(target, str(head))
+    (head / "config.json").write_text(json.dumps({**config, "vocab_size": 320}))
+    with pytest.raises(ValueError, match="pass its target"):
+        check_eagle3_fits(target, str(head))
+
+
+def test_hf_assisted_on_an_eagle3_head_is_one_error_line(tmp_path, padded_pair):
+    target, _, prompt_file = padded_pair
+    head = save_eagle3_head(target, tmp_path / "head")
+    cmd = [sys.executable, "-m", "decode", "bench", "--target", target, "--draft", str(head),
+           "--prompts", str(prompt_file), "--baselines", "target,hf", "--json", str(tmp_path / "o.json")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and "EAGLE-3 head" in lines[0] and "use --baselines target" in lines[0]
+    assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.slow
+def test_eagle3_head_in_vllm_matches_target_only(vllm_ok, tmp_path, padded_pair):
+    """eval.extra_engines=[vllm] on an EAGLE-3 best/ (the served format, no tokenizer): ``python -m decode bench
+    --engine vllm`` runs it as method eagle3, float32 greedy output equal to vLLM target-only, the bench keys."""
+    from decode.prompts import load_prompts
+    from distill.engines import measure_extra_engines
+
+    target, draft, prompt_file = padded_pair
+    best = save_eagle3_head(target, tmp_path / "best")
+    (best / "eval.json").write_text(json.dumps({"engine": "draftsmith", "dtype": "float32"}))
+    overrides = [f"target.model={target}", f"draft.model={draft}", "eval.max_new_tokens=24",
+                 "eval.num_draft_tokens=3", "eval.extra_engines=[vllm]"]  # fmt: skip
+    recipe = load_recipe(None, overrides)
+    assert measure_extra_engines(best, recipe, load_prompts(prompt_file)) == [best / "eval_vllm.json"]
+    result = json.loads((best / "eval_vllm.json").read_text())
+    assert CONTRACT_KEYS <= set(result) and result["engine"] == "vllm" and result["draft_kind"] == "eagle3"
+    assert result["outputs_match_target"] is True, result["greedy_agreement"]
+    assert result["greedy_agreement"]["rows"] == 4 and result["dtype"] == "float32"
+    counters = result["spec_decode_counters"]
+    assert counters["vllm:spec_decode_num_drafts"] > 0 and result["mean_num_draft_tokens"] == 3.0
+    assert 0 <= result["acceptance_rate"] <= 1 and len(result["per_position_acceptance"]) == 3

@@ -44,20 +44,26 @@ STEP_WEIGHT = 0.8  # weight of unrolled step k is STEP_WEIGHT ** k, as in EAGLE-
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """Low, middle and high layers as vLLM and SGLang pick them when a checkpoint names none: (2, L//2, L-3)."""
-    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+    """Low, middle and high layers as vLLM and SGLang pick them when a checkpoint names none: (2, L//2, L-3); on a
+    target too shallow for three distinct ids there, the inputs of its last three layers."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    return ids if ids[0] < ids[1] < ids[2] else [num_layers - 3, num_layers - 2, num_layers - 1]
 
 
 def check_aux_layers(aux: Sequence[int], num_layers: int) -> list[int]:
-    """``aux`` as a list, or ValueError naming the valid range (ids index ``hidden_states``: 0..L)."""
+    """``aux`` as a list, or ValueError naming the rule: 3 distinct rising ids in 0..L-1.
+
+    Ids index ``hidden_states`` (0 = embeddings, j = the input of layer j). vLLM collects them in rising order
+    without repeats, so anything else would feed the head other features than it was trained on; id L is left out
+    because HF's last hidden state is after the final norm and vLLM's before it.
+    """
     aux = [int(a) for a in aux]
-    if len(aux) != 3:
-        raise ValueError(f"an EAGLE-3 head fuses exactly 3 target layers, got {len(aux)} aux layer ids {aux}")
-    bad = [a for a in aux if not 0 <= a <= num_layers]
-    if bad:
+    if num_layers < 3:
+        raise ValueError(f"an EAGLE-3 head fuses 3 distinct target layers: this target has only {num_layers}")
+    if len(aux) != 3 or not 0 <= aux[0] < aux[1] < aux[2] < num_layers:
         raise ValueError(
-            f"aux layer ids {bad} are outside the target's layers: ids count layer inputs 0..{num_layers} "
-            f"(0 = embeddings) for this {num_layers}-layer target; the default is {default_aux_layers(num_layers)}"
+            f"aux layer ids {aux} are not 3 distinct rising ids among the target's layers 0..{num_layers - 1} "
+            f"(id j = the input of layer j, 0 = embeddings); the default is {default_aux_layers(num_layers)}"
         )
     return aux
 
