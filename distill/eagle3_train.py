@@ -13,7 +13,6 @@ distribution at position i + k + 1, over the head's draft vocabulary plus one ta
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -137,12 +136,20 @@ def teacher_log_probs(teacher: torch.Tensor, draft_ids: torch.Tensor, temperatur
     teacher [tokens, V] logits, draft_ids [Vd] target ids -> [tokens, Vd + 1] float32 (log p_tail floored at
     log 1e-30, so a draft vocabulary covering every token still gives finite terms).
     """
-    t = (teacher.detach().float() / temperature).clamp_(min=_LOGIT_FLOOR)
-    lse = torch.logsumexp(t, -1, keepdim=True)
-    ids = draft_ids.to(t.device)
-    inside = t.index_select(-1, ids) - lse
-    tail = torch.logsumexp(t.index_fill(-1, ids, float("-inf")), -1, keepdim=True) - lse
-    return torch.cat([inside, tail.clamp(min=math.log(_TAIL_FLOOR))], -1)
+    t = teacher.detach()
+    # log-sum-exp over the whole vocabulary in float32 chunks of rows: no full-width float32 copy of a batch's logits
+    lse = torch.cat([_scaled(c, temperature).logsumexp(-1, keepdim=True) for c in t.split(_ROWS)])
+    inside = _scaled(t.index_select(-1, draft_ids.to(t.device)), temperature) - lse
+    # the tail is what the draft vocabulary leaves: log(1 - sum p_inside), floored (exact to float32 rounding)
+    tail = torch.log((-torch.expm1(inside.logsumexp(-1, keepdim=True).clamp(max=0.0))).clamp(min=_TAIL_FLOOR))
+    return torch.cat([inside, tail], -1)
+
+
+_ROWS = 512  # rows per float32 chunk of the teacher's logits
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return (logits.float() / temperature).clamp_(min=_LOGIT_FLOOR)
 
 
 def student_log_probs(student: torch.Tensor, log_tail: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -204,6 +211,9 @@ def step_loss(
     positions = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
     outputs = model(batch["input_ids"], features, positions, valid, cfg.ttt_steps)
     draft_ids = head.draft_ids
+    # The teacher of every position once (each unrolled step reads the same rows, shifted): [B, S, Vd + 1]
+    teacher_lp = teacher_log_probs(teacher.flatten(0, 1), draft_ids, cfg.temperature).view(*valid.shape, -1)
+    teacher_top = teacher.argmax(-1)  # [B, S]
     total, weights, stats = None, 0.0, {}
     for k, student in enumerate(outputs):
         # step k at i predicts token i + k + 2, which the target's logits at i + k + 1 predict
@@ -211,14 +221,14 @@ def step_loss(
         if not bool(mask.any()):
             continue  # sequences too short for this step
         rows_b, rows_i = mask.nonzero(as_tuple=True)
-        s_rows, t_rows = student[rows_b, rows_i], teacher[rows_b, rows_i + k + 1]
-        log_ps, log_pt = step_log_probs(s_rows, t_rows, draft_ids, cfg.temperature)
+        s_rows, log_pt = student[rows_b, rows_i], teacher_lp[rows_b, rows_i + k + 1]
+        log_ps = student_log_probs(s_rows, log_pt[:, -1:], cfg.temperature)
         loss_k = losses.divergence(log_ps, log_pt, cfg.loss, cfg.beta).mean()
         weight = cfg.step_weight**k
         total = weight * loss_k if total is None else total + weight * loss_k
         weights += weight
         with torch.no_grad():
-            same = draft_ids[s_rows.argmax(-1)] == t_rows.argmax(-1)
+            same = draft_ids[s_rows.argmax(-1)] == teacher_top[rows_b, rows_i + k + 1]
         stats[f"train/loss_{k}"] = float(loss_k.detach())
         stats[f"train/acc_{k}"] = float(same.float().mean())
     if total is None:
