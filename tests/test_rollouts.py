@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from decode import kernels
 from distill import rollouts
 from distill.config import DataConfig, DistillConfig, LoraConfig, ModelConfig, QuantConfig
 from distill.data import Example, collate_training, encode_examples
@@ -215,6 +216,7 @@ def test_pregenerate_shards_across_processes(models, tmp_path):
         examples, target, draft, cfg, caches[0], accelerator=FakeAccelerator(0, 2), **common
     )
     assert (n0, n1) == (3, 2)  # 5 prompts, interleaved
+    assert not any(m in kernels._COPIES for m in target.modules())  # no packed target weights kept after it
     assert sorted(p.name for p in tmp_path.glob("*.jsonl")) == [f"target-{caches[0].key}-p{r}.jsonl" for r in (0, 1)]
     caches[1].reload()
     for cache in caches:
