@@ -8,6 +8,7 @@ subprocess, which keeps vLLM's global state out of the training process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from distill.checkpoints import write_json_atomic
-from distill.config import Recipe
+from distill.config import ModelConfig, Recipe
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -69,20 +70,27 @@ def evaluate_vllm(
 
 
 def _bench_draftsmith(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype: str) -> dict:
-    """draftsmith's own bench of best/ next to the recipe's target, both loaded in ``dtype``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """draftsmith's own bench of best/ next to the recipe's target, both loaded in ``dtype``.
 
+    Through training's loaders, so the target is the one the run measured (a .gguf file, ``target.revision``,
+    its quantization), and the draft drafts from best/'s ``draft_vocab.json`` when it has one.
+    """
     from decode.bench import run_bench
+    from decode.draft_vocab import load_ids
+    from distill.models import load_target, load_tokenizer
 
-    ev, kw = recipe.eval, {"dtype": getattr(torch, dtype), "trust_remote_code": recipe.target.trust_remote_code}
-    target = AutoModelForCausalLM.from_pretrained(recipe.target.model, **kw).eval()
-    draft = AutoModelForCausalLM.from_pretrained(best, **kw).eval()
+    ev = recipe.eval
+    target = load_target(dataclasses.replace(recipe.target, dtype=dtype))
+    # best/ is served frozen: loaded as a target is (eval mode, no gradients), in the same dtype.
+    draft = load_target(ModelConfig(model=str(best), dtype=dtype, trust_remote_code=recipe.draft.trust_remote_code))
+    tokenizer = load_tokenizer(recipe.target.model, recipe.target, key="target.model")
     return run_bench(
-        target, draft, AutoTokenizer.from_pretrained(recipe.target.model), list(prompts),
+        target, draft, tokenizer, list(prompts),
         target_name=recipe.target.model, draft_name=str(best), max_new_tokens=ev.max_new_tokens,
         temperature=ev.temperature, top_p=ev.top_p, top_k=ev.top_k, num_draft_tokens=ev.num_draft_tokens,
         batch_size=ev.batch_size, repeats=ev.repeats, seed=recipe.train.seed,
         baselines=("target", "hf") if ev.hf_assisted and ev.batch_size == 1 else ("target",), progress=False,
+        draft_vocab=load_ids(best),
     )  # fmt: skip
 
 

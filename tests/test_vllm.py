@@ -234,6 +234,30 @@ def test_draftsmith_as_extra_engine_next_to_vllm(tmp_path, padded_pair):
     assert result["n_prompts"] == 2 and result["draft"] == str(best) and result["dtype"] == "float32"
 
 
+def test_draftsmith_extra_engine_loads_the_targets_revision(tmp_path, padded_pair, monkeypatch):
+    """target.revision reaches the extra engine's loaders: a hub id cached at that revision only (offline)."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from decode.prompts import load_prompts
+    from distill.engines import measure_extra_engines
+
+    target, draft, prompt_file = padded_pair
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(target, tmp_path / "hub" / "models--tiny--target" / "snapshots" / revision)  # no refs/main
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    best = tmp_path / "best"
+    shutil.copytree(draft, best)
+    (best / "eval.json").write_text(json.dumps({"engine": "vllm", "dtype": "float32"}))
+    overrides = ["target.model=tiny/target", f"target.revision={revision}", "eval.engine=vllm",
+                 "eval.extra_engines=[draftsmith]", "eval.max_new_tokens=8", "eval.num_draft_tokens=2",
+                 "eval.repeats=1", "eval.hf_assisted=false"]  # fmt: skip
+    recipe = load_recipe(None, overrides)
+    assert measure_extra_engines(best, recipe, load_prompts(prompt_file)[:2]) == [best / "eval_draftsmith.json"]
+    assert json.loads((best / "eval_draftsmith.json").read_text())["outputs_match_target"] is True
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # vLLM integration (skips where vLLM cannot be imported)
 # ---------------------------------------------------------------------------------------------------------------
