@@ -149,6 +149,47 @@ def test_broken_vllm_is_one_error_line_with_the_install_command(tmp_path, monkey
     assert not (tmp_path / "out.json").exists()
 
 
+HANGING_VLLM = {
+    "at import": "import time\ntime.sleep(120)\n",
+    "in generate": (
+        "import time\n__version__ = '0+hangs'\n"
+        "class SamplingParams:\n    def __init__(self, **kw): pass\n"
+        "class LLM:\n    def __init__(self, **kw): pass\n    def generate(self, *a, **kw): time.sleep(120)\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("where", list(HANGING_VLLM))
+def test_a_hung_vllm_worker_is_one_error_line_after_its_deadline(tmp_path, padded_pair, where):
+    """A worker that stops answering (here: a vLLM that hangs) ends the bench at DRAFTSMITH_VLLM_TIMEOUT."""
+    target, draft, prompts = padded_pair
+    shadow = tmp_path / "shadow" / "vllm"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(HANGING_VLLM[where])
+    (shadow / "inputs.py").write_text("def TokensPrompt(**kw):\n    return kw\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(shadow.parent), str(REPO)]),
+        "DRAFTSMITH_VLLM_TIMEOUT": "20",  # starting a worker imports torch: seconds
+    }
+    cmd = [sys.executable, "-m", "decode", "bench", "--engine", "vllm", "--target", target, "--draft", draft,
+           "--prompts", str(prompts), "--max-new-tokens", "8", "--json", str(tmp_path / "out.json")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=100)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the vLLM "), lines
+    assert "worker did not answer within 20 s" in lines[0]
+    assert "DRAFTSMITH_VLLM_TIMEOUT" in lines[0] and not (tmp_path / "out.json").exists()
+
+
+def test_a_bad_vllm_deadline_is_one_error_line(monkeypatch):
+    from decode.vllm_engine import reply_timeout
+
+    monkeypatch.setenv("DRAFTSMITH_VLLM_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match=r"^DRAFTSMITH_VLLM_TIMEOUT must be a number of seconds > 0, got 'soon'$"):
+        reply_timeout()
+
+
 def test_vllm_engine_rejects_auto_draft_length(tmp_path, padded_pair):
     target, draft, prompts = padded_pair
     cmd = [sys.executable, "-m", "decode", "bench", "--engine", "vllm", "--target", target, "--draft", draft,
