@@ -196,16 +196,19 @@ def worker(target_path: str, dtype: str, steps: int, threads: int | None) -> dic
     ids, mask = make_batches(encode_prompts(tok, prompts), N_DEV, tok.pad_token_id)[0]
     ids, mask = ids.to(device), mask.to(device)
     with Phase("decode", res, device):
-        target_generate(target, ids, mask, max_new_tokens=4, eos_token_id=[])  # warm-up (bnb CPU kernel repack)
-        speculative_generate(target, draft, ids, mask, max_new_tokens=4, num_draft_tokens=GAMMA, eos_token_id=[])
+        # warm-up (bnb CPU kernel repack)
+        target_generate(target, ids, mask, max_new_tokens=4, eos_token_id=[], vocab=vocab)
+        speculative_generate(
+            target, draft, ids, mask, max_new_tokens=4, num_draft_tokens=GAMMA, eos_token_id=[], vocab=vocab
+        )
         sync()
         t0 = time.perf_counter()
-        out = target_generate(target, ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+        out = target_generate(target, ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=[], vocab=vocab)
         sync()
         res["target_only_tok_s"] = out.stats.new_tokens / (time.perf_counter() - t0)
         t0 = time.perf_counter()
         out = speculative_generate(
-            target, draft, ids, mask, max_new_tokens=NEW_TOKENS, num_draft_tokens=GAMMA, eos_token_id=[]
+            target, draft, ids, mask, max_new_tokens=NEW_TOKENS, num_draft_tokens=GAMMA, eos_token_id=[], vocab=vocab
         )
         sync()
         res["spec_tok_s"] = out.stats.new_tokens / (time.perf_counter() - t0)

@@ -18,9 +18,12 @@ oneDNN on a weight reordered once into its blocked layout (PyTorch's own bf16 pa
 without the prepacked weight: the bf16 results were bitwise identical in every check, only faster). Copies
 are made on first use and cached per layer (in a weak mapping: they go with the layer, and are rebuilt if its
 weight changes), because building them is slow next to a decoding call (the reference 30M target: about a
-second, the time of some 30 decoded tokens). The cost is memory, up to two extra copies of each linear
-weight of a float32 model, one of a bf16 model: ``release(model)`` frees them (after an evaluation inside a
-training loop, say).
+second, the time of some 30 decoded tokens). A weight counts as changed when it is updated in place, replaced,
+or merged into or out of by the PEFT adapter around it (PEFT writes through ``weight.data``, which leaves the
+version counter as it was); after any other write through ``.data``, call ``release(model)``. The cost is
+memory, up to two extra copies of each linear weight of a float32 model, one of a bf16 model:
+``release(model)`` frees them (distillation calls it after every evaluation and after generating the target's
+rollouts, for a target that stays loaded all run).
 ``DRAFTSMITH_CPU_KERNELS=0`` turns this off.
 
 Contexts on the same layers may nest or run in several threads at once: a swapped layer stays swapped until
@@ -47,10 +50,12 @@ import torch.nn.functional as F
 from torch import nn
 
 _DTYPES = (torch.float32, torch.bfloat16)
-# Per nn.Linear: {"key": (weight version, data pointer), "packed": ..., "transposed": ...}, built lazily.
+# Per nn.Linear: {"key": (weight version, data pointer, adapter state), "packed": ..., "transposed": ...}, built
+# lazily.
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Guards swapping, the hold counts and building copies: contexts on one model may run in several threads.
 _LOCK = threading.RLock()
+_MISSING = object()  # a copy not built yet (a built "packed" copy may be None: no oneDNN op in this build)
 
 
 def enabled() -> bool:
@@ -65,8 +70,15 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _copies(linear: nn.Linear) -> dict:
-    key = (_version(linear.weight), linear.weight.data_ptr())
+def _merge_state(owner: nn.Module) -> tuple:
+    """The PEFT adapter wrapping a layer and what it has merged: a merge writes through ``weight.data``, which
+    leaves the version counter as it was; ``merge_and_unload`` also takes the wrapper away."""
+    merged = getattr(owner, "merged_adapters", None)
+    return () if merged is None else (id(owner), tuple(merged))
+
+
+def _copies(linear: nn.Linear, owner: nn.Module) -> dict:
+    key = (_version(linear.weight), linear.weight.data_ptr(), _merge_state(owner))
     copies = _COPIES.get(linear)
     if copies is None or copies["key"] != key:
         if copies is not None:
@@ -104,7 +116,7 @@ def _plain(x: torch.Tensor, weight: torch.Tensor) -> bool:
 class _CpuLinear(nn.Module):
     """Stands in for an ``nn.Linear`` during a call; ``weight`` and ``bias`` stay the original parameters."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, owner: nn.Module):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -112,15 +124,17 @@ class _CpuLinear(nn.Module):
         object.__setattr__(self, "original", linear)  # not a submodule: the model's module tree stays as it was
         self.holders = 0  # contexts that hold this swap; the last one out puts the original back
         # Looked up once per swap, not per forward: the weight cannot change while the decoding call runs.
-        self.copies = _copies(linear)
+        self.copies = _copies(linear, owner)
 
     def _copy(self, name: str):
-        copies = self.copies
-        if name not in copies:
+        # One read, never a check then an index: another thread's release() may empty the dict in between.
+        copy = self.copies.get(name, _MISSING)
+        if copy is _MISSING:
             with _LOCK:
-                if name not in copies:
-                    copies[name] = _build(name, self.weight.detach())
-        return copies[name]
+                copy = self.copies.get(name, _MISSING)
+                if copy is _MISSING:
+                    copy = self.copies[name] = _build(name, self.weight.detach())
+        return copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _plain(x, self.weight):
@@ -177,10 +191,10 @@ class CpuLinears:
             try:
                 for parent, name, child in _slots(self.models):
                     if isinstance(child, _CpuLinear):  # swapped by a context still active: hold it too
-                        child.copies = _copies(child.original)  # the weight may have changed in between
+                        child.copies = _copies(child.original, parent)  # the weight may have changed since
                         stand_in = child
                     elif _eligible(child):
-                        stand_in = _CpuLinear(child)
+                        stand_in = _CpuLinear(child, parent)
                         setattr(parent, name, stand_in)
                     else:
                         continue

@@ -220,7 +220,8 @@ def speculative_generate(
         generator: RNG for sampling (draft tokens, acceptance, resampling).
         draft_cost_ratio: c for ``auto``; measured from the loop's timings when None.
         vocab: the logits width both models are cut to (``check_vocab_compatible``'s result); None = the
-            narrower model's. Pass the same value to ``target_generate`` for a baseline over the same tokens.
+            target's full width (a narrower draft then raises). Pass the same value to ``target_generate`` for a
+            baseline over the same tokens.
 
     Returns:
         SpecOutput; greedy ``new_tokens`` equal target-only greedy decoding token for token.
@@ -327,11 +328,20 @@ def _count_round(stats: SpecStats, g: int, accepted: list[int], live_rows: int) 
             stats.per_position_accepted[i] += 1
 
 
-def _cut_width(vocab: int | None, *models: nn.Module) -> int:
-    """The logits width the loops decode over: ``vocab``, which no model's logits may be narrower than."""
-    narrowest = min(logits_width(m) for m in models)
+def _cut_width(vocab: int | None, target: nn.Module, *drafts: nn.Module) -> int:
+    """The logits width the loops decode over: ``vocab``, or the target's full width when None.
+
+    A narrower draft needs an explicit ``vocab``: cutting silently would drop target tokens the draft lacks.
+    """
+    narrowest = min(logits_width(m) for m in (target, *drafts))
     if vocab is None:
-        return narrowest
+        vocab = logits_width(target)
+        if narrowest < vocab:
+            raise ValueError(
+                f"the draft has {narrowest} logits, fewer than the target's {vocab}: pass "
+                "vocab=decode.compat.check_vocab_compatible(target, draft, tokenizer) to decode over the shared width"
+            )
+        return vocab
     if not 0 < vocab <= narrowest:
         raise ValueError(f"vocab={vocab} must be in 1..{narrowest} (the narrowest model's logits width)")
     return vocab

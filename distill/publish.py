@@ -86,9 +86,15 @@ FORBIDDEN_CONFIG_WORDS = (*FORBIDDEN_NAME_WORDS, "speculator")
 EVAL_KEYS = ("acceptance_rate", "mean_accepted_length", "num_draft_tokens", "speedup", "temperature", "new_tokens")
 REMEASURE_PROMPTS = 8  # eval prompts used to re-measure a merged QLoRA draft: the figure, not a full eval
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-# An absolute path (or ~/...) in free text; not preceded by a word character, ':' or '/' so that URLs and Hub
-# ids ("org/name") are left alone.
-_ABS_PATH_RE = re.compile(r"(?<![\w.:/~-])(?:~|/)(?:/?[\w.+@=-]+)+/?")
+# An absolute path in free text: /..., ~/..., C:\... or C:/..., \\server\...; not preceded by a word character,
+# ':' or a separator, so that URLs and Hub ids ("org/name") are left alone. Directory names may hold spaces
+# ("/home/Jane Doe/models/t"), so a path runs on through words while another separator follows; its last name
+# ends at the first space.
+_ABS_PATH_RE = re.compile(
+    r"(?<![\w.:/\\~-])(?:~|[A-Za-z]:|\\)?"  # ~, a drive letter, or the first backslash of \\server
+    r"(?:[\\/][\w.+@=-]+(?: [\w.+@=-]+)*(?=[\\/]))*"  # directories
+    r"[\\/][\w.+@=-]+[\\/]?"  # the last name
+)
 
 
 # ---------------------------------------------------------------- inputs
@@ -232,16 +238,21 @@ def local_hardware() -> str:
 # ---------------------------------------------------------------- no local paths in what is uploaded
 
 
+def _base_name(path: str) -> str:
+    """The last name of a POSIX or Windows path, wherever this runs ("" for a root)."""
+    return re.split(r"[\\/]", path.rstrip("\\/"))[-1]
+
+
 def public_name(name: str | None, fallback: str = "a local model") -> str | None:
     """A Hub id as is; a local path as its base name (`fallback` when it has none)."""
     if not name or is_hub_id(name):
         return name
-    return Path(name).expanduser().name or fallback
+    return _base_name(name) or fallback
 
 
 def scrub_text(text: str) -> str:
     """Every absolute path in `text` replaced by its base name (URLs and Hub ids stay)."""
-    return _ABS_PATH_RE.sub(lambda m: Path(m.group().rstrip("/")).name or "a local path", text)
+    return _ABS_PATH_RE.sub(lambda m: _base_name(m.group()) or "a local path", text)
 
 
 def scrub(obj: Any) -> Any:

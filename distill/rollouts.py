@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from decode import kernels
 from decode.kv_stream import inference
 from distill.config import DistillConfig
 from distill.data import Example, collate_prompts
@@ -372,6 +373,7 @@ def pregenerate_target_rollouts(
         cache.put(chunk, completions)
         bar.update(len(chunk))
     bar.close()
+    kernels.release(target)  # training reads the cache now: no packed target weights kept for the run
     if accelerator is not None and world > 1:
         accelerator.wait_for_everyone()
         cache.reload()

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from decode import kernels
 from distill.checkpoints import speedup_ci95
 from distill.config import Recipe, TrainConfig
 from distill.tracking import tracker_setup, wandb_has_credentials  # noqa: F401 (re-exported)
@@ -148,6 +149,7 @@ def evaluate(
         if wrapper is not None:
             draft.forward = wrapper
         draft.train(was_training)
+        kernels.release(target)  # the target stays loaded all run: its packed weights go until the next decoding
     return result
 
 

@@ -71,6 +71,32 @@ def test_lora_adapters_same_logits():
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("then", ["merge_adapter", "unmerge_adapter", "merge_and_unload"])
+def test_copies_follow_a_peft_merge(then):
+    """PEFT merges through ``weight.data``, which leaves the weight's version counter as it was."""
+    from peft import LoraConfig, get_peft_model
+
+    _, model = tiny_pair("llama")
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)  # B starts at zero, and merging zero changes nothing
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
+    with CpuLinears(model):
+        _logits(model, ids)  # copies of the unmerged base layers
+    model.merge_adapter()
+    if then == "unmerge_adapter":
+        with CpuLinears(model):
+            _logits(model, ids)  # copies of the merged ones
+        model.unmerge_adapter()
+    if then == "merge_and_unload":
+        model = model.merge_and_unload()  # the same base layers, merged, now without their wrapper
+    plain = _logits(model, ids)
+    with CpuLinears(model):
+        fast = _logits(model, ids)
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+
+
 def test_switched_off_by_environment(monkeypatch):
     _, model = tiny_pair("llama")
     before = _linears(model)
@@ -132,11 +158,11 @@ def test_error_while_swapping_leaves_the_model_as_it_was(monkeypatch):
     built = []
 
     class Failing(kernels._CpuLinear):
-        def __init__(self, linear):
+        def __init__(self, linear, owner):
             if len(built) == 3:
                 raise MemoryError("no room for the copies")
             built.append(linear)
-            super().__init__(linear)
+            super().__init__(linear, owner)
 
     monkeypatch.setattr(kernels, "_CpuLinear", Failing)
     with pytest.raises(MemoryError):
@@ -202,6 +228,47 @@ def test_release_frees_the_copies():
         torch.testing.assert_close(_logits(model, ids), plain, rtol=1e-5, atol=1e-5)
     kernels.release(model)
     assert not any(m in kernels._COPIES for m in _linears(model))
+
+
+def test_release_racing_forwards_never_fails():
+    """A release() from another thread may land between any check of a layer's copies and its use."""
+    import threading
+
+    _, model = tiny_pair("llama")
+    ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(6))
+    plain = _logits(model, ids)
+
+    class ReleasedAfterAHit(dict):
+        """A layer's copies that another thread's release() empties right after a check that found one."""
+
+        def __init__(self, layer, copies):
+            super().__init__(copies)
+            self.layer, self.raced = layer, False
+
+        def _race(self):
+            self.raced = True
+            kernels._COPIES[self.layer] = self  # registered, so that release() empties it
+            other = threading.Thread(target=kernels.release, args=(model,))
+            other.start()
+            other.join(timeout=0.1)  # runs now, or as soon as a lock it waits for is let go
+
+        def __contains__(self, name):
+            found = super().__contains__(name)
+            if found and not self.raced:
+                self._race()
+            return found
+
+        def get(self, name, default=None):
+            value = super().get(name, default)
+            if name in self.keys() and not self.raced:
+                self._race()
+            return value
+
+    with CpuLinears(model):
+        for stand_in in [m for m in model.modules() if isinstance(m, kernels._CpuLinear)]:
+            stand_in.copies = ReleasedAfterAHit(stand_in.original, stand_in.copies)
+        for _ in range(2):  # the first builds every copy, the second reads them back
+            torch.testing.assert_close(_logits(model, ids), plain, rtol=1e-5, atol=1e-5)
 
 
 def test_copies_go_with_the_model():

@@ -232,9 +232,12 @@ def test_padded_target_embedding_works_on_shared_range():
     draft = tiny_llama(VOCAB, seed=None, special_id=None)
     with torch.no_grad():
         draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight[:VOCAB])
-    assert check_vocab_compatible(target, draft) == VOCAB
+    shared = check_vocab_compatible(target, draft)
+    assert shared == VOCAB
     prompt = torch.randint(1, VOCAB, (1, 7))
-    out = speculative_generate(target, draft, prompt, max_new_tokens=12, num_draft_tokens=3, eos_token_id=[])
+    out = speculative_generate(
+        target, draft, prompt, max_new_tokens=12, num_draft_tokens=3, eos_token_id=[], vocab=shared
+    )
     assert out.new_tokens == [hf_greedy(target, prompt, 12)]
 
 
@@ -257,6 +260,24 @@ def test_both_loops_decode_over_the_same_width():
     assert VOCAB + 3 in target_generate(target, PROMPT, **kw).new_tokens[0]  # the full width would emit padding
     with pytest.raises(ValueError, match="narrowest model's logits width"):
         speculative_generate(target, draft, PROMPT, num_draft_tokens=3, vocab=width, **kw)
+
+
+def test_narrower_draft_needs_an_explicit_width():
+    """vocab=None is the target's full width: a narrower draft is refused, not cut to (dropping target tokens)."""
+    width = VOCAB + 8
+
+    def fn(ids, pos):
+        logits = one_hot_logits(ids + 1, width)
+        logits[..., VOCAB + 3] += 25.0 * (pos % 3 == 0).float()  # a real target token the draft cannot propose
+        return logits
+
+    target, kw = FixedLogitLM(width, fn), dict(max_new_tokens=9, eos_token_id=[])
+    with pytest.raises(ValueError, match=rf"{VOCAB} logits, fewer than the target's {width}: pass vocab="):
+        speculative_generate(target, counter_lm(VOCAB), PROMPT, num_draft_tokens=3, **kw)
+    # A draft as wide as the target decodes over the full width, the same tokens as target_generate.
+    spec = speculative_generate(target, counter_lm(width), PROMPT, num_draft_tokens=3, **kw)
+    assert spec.new_tokens == target_generate(target, PROMPT, **kw).new_tokens
+    assert VOCAB + 3 in spec.new_tokens[0]
 
 
 def _word_tokenizer(words: list[str], name: str):

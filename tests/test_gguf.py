@@ -195,3 +195,25 @@ def test_pretrain_tokenizer_from_a_gguf_keeps_the_full_vocabulary(tiny_gguf):
     assert loaded.pad_token_id is not None
     fixed = ArchConfig(extra={"vocab_size": original.config.vocab_size})
     assert resolve_vocab_size(fixed, loaded) == original.config.vocab_size
+
+
+def test_extra_engine_bench_takes_a_gguf_target_and_the_draft_vocabulary(tiny_gguf, tmp_path):
+    """best/eval_draftsmith.json loads the target as training does (a .gguf file here) and drafts from the
+    draft vocabulary saved in best/."""
+    from decode.draft_vocab import save_ids
+    from distill.config import load_recipe
+    from distill.engines import measure_extra_engines
+
+    path, original, tok = tiny_gguf
+    best = tmp_path / "best"
+    original.save_pretrained(best)
+    tok.save_pretrained(best)
+    ids = list(range(200))
+    save_ids(best, ids, vocab=original.config.vocab_size, source="test")
+    (best / "eval.json").write_text(json.dumps({"engine": "vllm", "dtype": "float32"}))
+    overrides = [f"target.model={path}", "eval.engine=vllm", "eval.extra_engines=[draftsmith]", "eval.repeats=1",
+                 "eval.max_new_tokens=6", "eval.num_draft_tokens=2", "eval.hf_assisted=false"]  # fmt: skip
+    prompts = [{"prompt": p} for p in ["def f(x):", "import os\n"]]
+    assert measure_extra_engines(best, load_recipe(None, overrides), prompts) == [best / "eval_draftsmith.json"]
+    result = json.loads((best / "eval_draftsmith.json").read_text())
+    assert result["outputs_match_target"] is True and result["draft_vocab_size"] == len(ids)

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from decode import kernels
 from distill.config import LoraConfig, ModelConfig, Recipe
 from distill.models import load_draft, load_target, load_tokenizer
 from distill.training import _served_draft, evaluate
@@ -54,6 +55,14 @@ def test_bf16_evaluations_leave_the_base_bitwise_unchanged(pair):
     assert changed == []
     assert draft.training  # the training draft gets its mode back
     assert any("lora_A" in n for n, _ in draft.named_parameters())  # and keeps its adapters
+
+
+def test_an_evaluation_frees_the_targets_kernel_copies(pair):
+    """The target stays loaded for the whole run: its packed weight copies must not stay with it."""
+    target = load_target(ModelConfig(model=str(pair["target"])), device="cpu")
+    evaluate(target, lora_draft(pair, "float32"), load_tokenizer(str(pair["target"])), pair["prompts"], recipe(pair))
+    linears = [m for m in target.modules() if type(m) is torch.nn.Linear]
+    assert linears and not any(m in kernels._COPIES for m in linears)
 
 
 def test_evaluated_draft_is_the_merged_draft(pair):

@@ -547,10 +547,21 @@ def test_no_local_path_is_uploaded(published, run_dir):
             "google/gemma-2-9b-it and https://huggingface.co/a/b stay",
         ),
         ("runs/x/best and 1/2 stay", "runs/x/best and 1/2 stay"),
+        ("model: /home/Jane Doe/models/t", "model: t"),
+        ("target: '/Users/Jane van Doe/My Models/t' loaded", "target: 't' loaded"),
+        ("/home/jane/t could not be loaded", "t could not be loaded"),
+        ("model: C:\\Users\\Jane Doe\\models\\t", "model: t"),
+        ("model: C:/Users/Jane Doe/models/t", "model: t"),
+        ("share: \\\\server\\Jane Doe\\t, done", "share: t, done"),
     ],
 )
 def test_scrub_text(text, want):
     assert pub.scrub_text(text) == want
+
+
+@pytest.mark.parametrize("path", ["/home/Jane Doe/models/t", "C:\\Users\\Jane Doe\\models\\t", "~/t/"])
+def test_public_name_of_a_local_path_is_its_base_name(path):
+    assert pub.public_name(path) == "t"
 
 
 def test_license_and_hub_datasets_in_metadata(run_dir, tmp_path):

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from decode import kernels
 from distill import rollouts
 from distill.config import DataConfig, DistillConfig, LoraConfig, ModelConfig, QuantConfig
 from distill.data import Example, collate_training, encode_examples
@@ -127,7 +128,8 @@ def test_target_rollouts_are_the_targets_and_cached(models, tmp_path, monkeypatc
     tok, target, draft, examples = models
     cfg = _cfg()
     cache = RolloutCache(tmp_path, target_cache_settings(target, cfg, seed=0))
-    pairs = make_rollouts(examples, "target", target, draft, cfg, eos_token_id=0, pad_token_id=0, cache=cache)
+    kw = {"eos_token_id": 0, "pad_token_id": 0, "vocab": len(tok)}  # the width target and draft share
+    pairs = make_rollouts(examples, "target", target, draft, cfg, cache=cache, **kw)
     for (_, completion), example in zip(pairs, examples):
         assert completion == _greedy(target, example.prompt_ids, 8, len(tok))  # speculative decoding is lossless
     assert len(cache) == len(examples)
@@ -138,7 +140,7 @@ def test_target_rollouts_are_the_targets_and_cached(models, tmp_path, monkeypatc
 
     monkeypatch.setattr(rollouts, "generate_target_rollouts", boom)
     again = RolloutCache(tmp_path, target_cache_settings(target, cfg, seed=0))
-    assert make_rollouts(examples, "target", target, draft, cfg, eos_token_id=0, pad_token_id=0, cache=again) == pairs
+    assert make_rollouts(examples, "target", target, draft, cfg, cache=again, **kw) == pairs
     monkeypatch.undo()
 
     # other settings or another tokenisation of the same prompt index: not reused
@@ -150,7 +152,7 @@ def test_target_rollouts_are_the_targets_and_cached(models, tmp_path, monkeypatc
     # partly cached: the cached ones are served, the rest generated, the batch order kept
     part = RolloutCache(tmp_path / "part", target_cache_settings(target, cfg, seed=0))
     part.put([examples[2]], [[7, 0]])
-    mixed = make_rollouts(examples, "target", target, draft, cfg, eos_token_id=0, pad_token_id=0, cache=part)
+    mixed = make_rollouts(examples, "target", target, draft, cfg, cache=part, **kw)
     assert [c for _, c in mixed] == [c if i != 2 else [7, 0] for i, (_, c) in enumerate(pairs)]
     assert len(part) == len(examples)
 
@@ -182,7 +184,7 @@ def test_cache_survives_a_torn_line(tmp_path):
 
 def test_mix_uses_both_sources(models, tmp_path):
     tok, target, draft, examples = models
-    source = RolloutSource(_cfg(source="mix", mix_lambda=0.5), target, tok, cache_dir=tmp_path)
+    source = RolloutSource(_cfg(source="mix", mix_lambda=0.5), target, tok, cache_dir=tmp_path, vocab=len(tok))
     g = torch.Generator().manual_seed(0)
     seen = {}
     for _ in range(8):
@@ -206,7 +208,7 @@ def test_pregenerate_shards_across_processes(models, tmp_path):
     cfg = _cfg(gen_temperature=1.0)
     settings = target_cache_settings(target, cfg, seed=0)
     caches = [RolloutCache(tmp_path, settings, process_index=r) for r in (0, 1)]
-    common = {"eos_token_id": 0, "pad_token_id": 0, "batch_size": 2, "progress": False}
+    common = {"eos_token_id": 0, "pad_token_id": 0, "batch_size": 2, "progress": False, "vocab": len(tok)}
     n1 = pregenerate_target_rollouts(
         examples, target, draft, cfg, caches[1], accelerator=FakeAccelerator(1, 2), **common
     )
@@ -214,6 +216,7 @@ def test_pregenerate_shards_across_processes(models, tmp_path):
         examples, target, draft, cfg, caches[0], accelerator=FakeAccelerator(0, 2), **common
     )
     assert (n0, n1) == (3, 2)  # 5 prompts, interleaved
+    assert not any(m in kernels._COPIES for m in target.modules())  # no packed target weights kept after it
     assert sorted(p.name for p in tmp_path.glob("*.jsonl")) == [f"target-{caches[0].key}-p{r}.jsonl" for r in (0, 1)]
     caches[1].reload()
     for cache in caches:
@@ -223,7 +226,8 @@ def test_pregenerate_shards_across_processes(models, tmp_path):
 
 def test_rollout_source_without_cache(models, tmp_path):
     tok, target, draft, examples = models
-    source = RolloutSource(_cfg(source="target", cache_rollouts=False), target, tok, cache_dir=tmp_path)
+    cfg = _cfg(source="target", cache_rollouts=False)
+    source = RolloutSource(cfg, target, tok, cache_dir=tmp_path, vocab=len(tok))
     assert source.cache is None and source.pregenerate(examples, draft) == 0
     assert source.eos_token_id == [0] and source.pad_token_id == 0
     pairs = source.sample(examples[:1], draft, None)
@@ -252,7 +256,9 @@ def test_nf4_target_with_lora_draft(pair, models):
     tok, _, draft, examples = models
     quant = QuantConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16")
     target = load_target(ModelConfig(model=str(pair / "target"), quantization=quant), device="cpu")
-    pairs = make_rollouts(examples[:3], "target", target, draft, _cfg(), eos_token_id=0, pad_token_id=0)
+    pairs = make_rollouts(
+        examples[:3], "target", target, draft, _cfg(), eos_token_id=0, pad_token_id=0, vocab=len(tok)
+    )
     for (prompt, completion), example in zip(pairs, examples):
         assert prompt == example.prompt_ids
         assert completion == _greedy(target, prompt, 8, len(tok))

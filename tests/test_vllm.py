@@ -177,6 +177,47 @@ def test_broken_torchvision_is_one_error_line_naming_the_uninstall(tmp_path, pad
     assert not (tmp_path / "out.json").exists()
 
 
+HANGING_VLLM = {
+    "at import": "import time\ntime.sleep(120)\n",
+    "in generate": (
+        "import time\n__version__ = '0+hangs'\n"
+        "class SamplingParams:\n    def __init__(self, **kw): pass\n"
+        "class LLM:\n    def __init__(self, **kw): pass\n    def generate(self, *a, **kw): time.sleep(120)\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("where", list(HANGING_VLLM))
+def test_a_hung_vllm_worker_is_one_error_line_after_its_deadline(tmp_path, padded_pair, where):
+    """A worker that stops answering (here: a vLLM that hangs) ends the bench at DRAFTSMITH_VLLM_TIMEOUT."""
+    target, draft, prompts = padded_pair
+    shadow = tmp_path / "shadow" / "vllm"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(HANGING_VLLM[where])
+    (shadow / "inputs.py").write_text("def TokensPrompt(**kw):\n    return kw\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(shadow.parent), str(REPO)]),
+        "DRAFTSMITH_VLLM_TIMEOUT": "20",  # starting a worker imports torch: seconds
+    }
+    cmd = [sys.executable, "-m", "decode", "bench", "--engine", "vllm", "--target", target, "--draft", draft,
+           "--prompts", str(prompts), "--max-new-tokens", "8", "--json", str(tmp_path / "out.json")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=100)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the vLLM "), lines
+    assert "worker did not answer within 20 s" in lines[0]
+    assert "DRAFTSMITH_VLLM_TIMEOUT" in lines[0] and not (tmp_path / "out.json").exists()
+
+
+def test_a_bad_vllm_deadline_is_one_error_line(monkeypatch):
+    from decode.vllm_engine import reply_timeout
+
+    monkeypatch.setenv("DRAFTSMITH_VLLM_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match=r"^DRAFTSMITH_VLLM_TIMEOUT must be a number of seconds > 0, got 'soon'$"):
+        reply_timeout()
+
+
 def test_vllm_engine_rejects_auto_draft_length(tmp_path, padded_pair):
     target, draft, prompts = padded_pair
     cmd = [sys.executable, "-m", "decode", "bench", "--engine", "vllm", "--target", target, "--draft", draft,
@@ -260,6 +301,30 @@ def test_draftsmith_as_extra_engine_next_to_vllm(tmp_path, padded_pair):
     result = json.loads((best / "eval_draftsmith.json").read_text())
     assert result["engine"] == "draftsmith" and result["outputs_match_target"] is True
     assert result["n_prompts"] == 2 and result["draft"] == str(best) and result["dtype"] == "float32"
+
+
+def test_draftsmith_extra_engine_loads_the_targets_revision(tmp_path, padded_pair, monkeypatch):
+    """target.revision reaches the extra engine's loaders: a hub id cached at that revision only (offline)."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from decode.prompts import load_prompts
+    from distill.engines import measure_extra_engines
+
+    target, draft, prompt_file = padded_pair
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(target, tmp_path / "hub" / "models--tiny--target" / "snapshots" / revision)  # no refs/main
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    best = tmp_path / "best"
+    shutil.copytree(draft, best)
+    (best / "eval.json").write_text(json.dumps({"engine": "vllm", "dtype": "float32"}))
+    overrides = ["target.model=tiny/target", f"target.revision={revision}", "eval.engine=vllm",
+                 "eval.extra_engines=[draftsmith]", "eval.max_new_tokens=8", "eval.num_draft_tokens=2",
+                 "eval.repeats=1", "eval.hf_assisted=false"]  # fmt: skip
+    recipe = load_recipe(None, overrides)
+    assert measure_extra_engines(best, recipe, load_prompts(prompt_file)[:2]) == [best / "eval_draftsmith.json"]
+    assert json.loads((best / "eval_draftsmith.json").read_text())["outputs_match_target"] is True
 
 
 # ---------------------------------------------------------------------------------------------------------------
