@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: the decoder bench (bf16 target, and a 4-bit NF4 target), a short distillation with one evaluation,
-# and a 2-process distillation when 2 GPUs are present; one summary table at the end. Under 8 minutes on one
+# a short EAGLE-3 head training on the same target, and a 2-process distillation when 2 GPUs are present; one
+# summary table at the end. Under 8 minutes on one
 # recent GPU (about 5 with the built models on one H100/H200-class card).
 #
 #   bash bench/gpu_check.sh                       # random-init Llama pair: ~300M target, ~30M draft
@@ -127,6 +128,15 @@ distill_args=(--recipe recipes/stdlib-30m_stdlib-3.7m_full_greedy.yaml --overwri
     log.report_to=none log.every=5)
 timed distill_1gpu python train/distill.py "${distill_args[@]}" output_dir="$OUT/distill_1gpu"
 
+# ---- 3b. an EAGLE-3 head on the same target (draft.kind=eagle3): the target's hidden states every step, the
+# head's chain drafting in the evaluations
+eagle3_args=(--recipe recipes/stdlib-30m_eagle3.yaml --overwrite
+    target.model="$TARGET" data.train_prompts="$TRAIN_PROMPTS" data.eval_prompts="$EVAL_PROMPTS"
+    train.max_steps="$STEPS" train.max_minutes=0 train.warmup_steps=2 train.batch_size=8 eval.every="$STEPS"
+    eval.num_prompts=4 eval.max_new_tokens=32 eval.num_draft_tokens="$GAMMA" distill.max_new_tokens=32
+    log.report_to=none log.every=5)
+timed eagle3_1gpu python train/distill.py "${eagle3_args[@]}" output_dir="$OUT/eagle3_1gpu"
+
 # ---- 4. the same run on 2 processes (DDP), when 2 GPUs are present
 if (( N_GPUS >= 2 )); then
     timed distill_2gpu accelerate launch --multi_gpu --num_processes 2 train/distill.py "${distill_args[@]}" \
@@ -167,7 +177,7 @@ for name in ("bench_bf16", "bench_nf4"):
     r = json.loads((out / f"{name}.json").read_text())
     mem = r.get("max_memory_allocated_mib")
     print(row(name, r, f"{r['dtype']} target, peak {mem:.0f} MiB" if mem else f"{r['dtype']} target"))
-for name in ("distill_1gpu", "distill_2gpu"):
+for name in ("distill_1gpu", "eagle3_1gpu", "distill_2gpu"):
     report = out / name / "report.json"
     if not report.is_file():
         continue
