@@ -259,11 +259,7 @@ def eagle3_usage(target: str, repo_id: str, gamma: int) -> list[str]:
         "the target. HF assisted generation (`generate(assistant_model=...)`) cannot run this kind: it needs a "
         "standalone causal LM as the assistant.",
         "",
-        "vLLM:",
-        "",
-        "```bash",
-        f"vllm serve {target} --speculative-config '{spec}'",
-        "```",
+        *_vllm_serve(target, spec),
         "",
         "SGLang:",
         "",
@@ -281,6 +277,10 @@ def eagle3_usage(target: str, repo_id: str, gamma: int) -> list[str]:
         "```",
         "",
     ]
+
+
+def _vllm_serve(target: str, spec: str) -> list[str]:
+    return ["vLLM:", "", "```bash", f"vllm serve {target} --speculative-config '{spec}'", "```"]
 
 
 def _usage(target: str, repo_id: str, gamma: int) -> list[str]:
@@ -301,11 +301,7 @@ def _usage(target: str, repo_id: str, gamma: int) -> list[str]:
         "print(tokenizer.decode(out[0], skip_special_tokens=True))",
         "```",
         "",
-        "vLLM:",
-        "",
-        "```bash",
-        f"vllm serve {target} --speculative-config '{spec}'",
-        "```",
+        *_vllm_serve(target, spec),
         "",
         "```python",
         "from vllm import LLM, SamplingParams",

@@ -590,6 +590,11 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
         info["training_eval"] = training_eval
     if not is_hub_id(base_id):
         log.warning(f"draft base {base_name!r} is not a Hub id: the card omits base_model")
+    _write_card_files(src, dest, repo_id, info)
+
+
+def _write_card_files(src: PublishSource, dest: Path, repo_id: str, info: dict) -> None:
+    """The scrubbed figures (draftsmith_eval.json), the resolved recipe and the model card (README.md)."""
     info = scrub(info)
     recipe_text = scrub_text(src.recipe_path.read_text()) if src.recipe_path else None
     if recipe_text:
@@ -637,12 +642,7 @@ def _build_eagle3_into(
         "base": None,
         "checkpoints": (src.report or {}).get("checkpoints", []),
     }
-    info = scrub(info)
-    recipe_text = scrub_text(src.recipe_path.read_text()) if src.recipe_path else None
-    if recipe_text:
-        (dest / "resolved_recipe.yaml").write_text(recipe_text)
-    (dest / "draftsmith_eval.json").write_text(json.dumps(info, indent=2) + "\n")
-    (dest / "README.md").write_text(render_model_card(info, repo_id, recipe_text))
+    _write_card_files(src, dest, repo_id, info)
 
 
 def push_folder(

@@ -185,19 +185,24 @@ def test_two_processes_one_log_identical_weights_same_schedule(assets, full_run,
     assert lr_sequence(out) == pytest.approx(expected)
 
 
-def test_kill_and_resume_matches_uninterrupted(assets, full_run, tmp_path):
-    out = tmp_path / "run"
-    recipe = write_recipe(tmp_path, recipe_dict(assets, out))
+def kill_at_checkpoint(recipe: Path, out: Path, step: int) -> None:
+    """Run the recipe and SIGKILL it as soon as checkpoint ``step`` is complete (before the run can finish)."""
     cmd = [sys.executable, SCRIPT, "--recipe", str(recipe)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(), cwd=REPO)
     deadline = time.time() + 240
-    while not (out / "checkpoints" / "step-3").is_dir():
+    while not (out / "checkpoints" / f"step-{step}").is_dir():
         assert proc.poll() is None, "run ended before it could be killed"
         assert time.time() < deadline
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "report.json").exists()
+
+
+def test_kill_and_resume_matches_uninterrupted(assets, full_run, tmp_path):
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path, recipe_dict(assets, out))
+    kill_at_checkpoint(recipe, out, step=3)
     resumed = launch(recipe, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr

@@ -5,10 +5,6 @@ checkpoints, best/, 2 processes, kill -9 and --resume, bad inputs)."""
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +13,13 @@ import torch
 from decode.kinds import eagle3
 from distill import data, eagle3_train, losses
 from distill.config import DistillConfig, RecipeError, load_recipe
-from tests.test_distill_e2e import REPO, SCRIPT, env, error_line, launch, run_script, write_recipe
+from tests.test_distill_e2e import (
+    error_line,
+    kill_at_checkpoint,
+    launch,
+    run_script,
+    write_recipe,
+)
 from tests.tiny import make_pair, make_prompts, tiny_config, tiny_llama
 
 # ---------------------------------------------------------------- the loss
@@ -223,16 +225,7 @@ def test_two_processes_train_one_head(assets, tmp_path):
 def test_kill_and_resume_matches_uninterrupted(assets, head_run, tmp_path):
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path, head_recipe(assets, out))
-    cmd = [sys.executable, SCRIPT, "--recipe", str(recipe)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(), cwd=REPO)
-    deadline = time.time() + 240
-    while not (out / "checkpoints" / "step-3").is_dir():
-        assert proc.poll() is None, "run ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (out / "report.json").exists()
+    kill_at_checkpoint(recipe, out, step=3)
     resumed = launch(recipe, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
