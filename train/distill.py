@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a source checkout without installing
@@ -351,30 +352,13 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         subset_head = subset_loss.restricted(trained, draft_vocab)
         subset_position = subset_loss.index_of(draft_vocab, vocab_size, device=accelerator.device)
 
-    def evaluate_and_save(step: int, loss: float | None, train_s: float) -> None:
-        """The checkpoint of `step` (`train_s` training seconds in): evaluated on the main process, then saved
-        by every process."""
-        result = None
-        # all ranks join the gather of a sharded draft; the others then wait (train.dist_timeout_minutes)
-        full = distributed.full_draft(
-            draft, accelerator.unwrap_model(draft), accelerator.is_main_process, accelerator.device
-        )
-        if head_kind and full is not None:
-            full = eagle3_train.head_of(full)  # evaluated and saved as served
-        if accelerator.is_main_process:
-            tmp = state.tmp_dir(step)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            result = evaluate_checkpoint(
-                full, target, tokenizer, eval_rows, recipe, tmp / "samples.jsonl", draft_vocab=draft_vocab
-            )
-            result.update(train_loss=loss, step=step, train_minutes=train_s / 60.0)
-            log_evaluation(metrics, result, eval_rows, step, tmp)
-        save_checkpoint(accelerator, state, full, tokenizer, step, result)
+    checkpoint = CheckpointContext(
+        accelerator, draft, head_kind, target, tokenizer, eval_rows, recipe, state, metrics, draft_vocab
+    )
 
     # ---- loop
     if start_step == 0:
-        evaluate_and_save(0, None, 0.0)
+        evaluate_and_save(checkpoint, 0, None, 0.0)
     clock.elapsed_s = shared_elapsed_s(accelerator, timer)
     draft.train()
     step = start_step
@@ -474,7 +458,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
             # the minute marks are read off the shared clock, so every rank evaluates at the same step
             minute_mark = crossed_minute_mark(clock_before_s, clock.elapsed_s, recipe.eval.every_minutes)
             if step % recipe.eval.every == 0 or step == recipe.train.max_steps or out_of_time or minute_mark:
-                evaluate_and_save(step, last_loss, timer.elapsed_s)
+                evaluate_and_save(checkpoint, step, last_loss, timer.elapsed_s)
             elif recipe.train.save_every and step % recipe.train.save_every == 0:
                 save_state_only(accelerator, state, step)
             if out_of_time:
@@ -498,6 +482,46 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
 
 
 # ---------------------------------------------------------------- checkpoints
+
+
+@dataclass
+class CheckpointContext:
+    """What evaluating and saving a checkpoint needs from the run."""
+
+    accelerator: Any
+    draft: torch.nn.Module  # as prepared (wrapped)
+    head_kind: bool  # an EAGLE-3 head: evaluated and saved as served, not as its training unroll
+    target: torch.nn.Module
+    tokenizer: Any
+    eval_rows: list
+    recipe: Recipe
+    state: RunState
+    metrics: MetricsLog
+    draft_vocab: list[int] | None
+
+
+def evaluate_and_save(ctx: CheckpointContext, step: int, loss: float | None, train_s: float) -> None:
+    """The checkpoint of `step` (`train_s` training seconds in): evaluated on the main process, then saved by every
+    process."""
+    from distill import distributed, eagle3_train
+
+    acc = ctx.accelerator
+    result = None
+    # all ranks join the gather of a sharded draft; the others then wait (train.dist_timeout_minutes)
+    full = distributed.full_draft(ctx.draft, acc.unwrap_model(ctx.draft), acc.is_main_process, acc.device)
+    if ctx.head_kind and full is not None:
+        full = eagle3_train.head_of(full)
+    if acc.is_main_process:
+        tmp = ctx.state.tmp_dir(step)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        result = evaluate_checkpoint(
+            full, ctx.target, ctx.tokenizer, ctx.eval_rows, ctx.recipe, tmp / "samples.jsonl",
+            draft_vocab=ctx.draft_vocab,
+        )  # fmt: skip
+        result.update(train_loss=loss, step=step, train_minutes=train_s / 60.0)
+        log_evaluation(ctx.metrics, result, ctx.eval_rows, step, tmp)
+    save_checkpoint(acc, ctx.state, full, ctx.tokenizer, step, result)
 
 
 def evaluate_checkpoint(
