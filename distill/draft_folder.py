@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from distill.hub import PublishError, first_line
 
 if TYPE_CHECKING:
-    from distill.publish import PublishSource
+    from distill.publish_source import PublishSource
 
 log = logging.getLogger("draftsmith.publish")
 

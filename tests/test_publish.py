@@ -1,4 +1,5 @@
-"""train/publish.py and distill.publish (+ distill.card, distill.hub, distill.draft_folder) on a tiny real run.
+"""train/publish.py and distill.publish (+ distill.publish_source, distill.card, distill.hub, distill.draft_folder)
+on a tiny real run.
 
 Offline, CPU, a few seconds.
 
@@ -19,7 +20,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from distill import draft_folder
+from distill import draft_folder, publish_source
 from distill import publish as pub
 from distill.config import load_recipe, save_recipe
 from tests.tiny import tiny_llama, word_tokenizer
@@ -379,11 +380,11 @@ def test_qlora_card_columns_say_what_each_measured():
 )
 def test_bad_repo_ids(repo_id):
     with pytest.raises(pub.PublishError):
-        pub.check_repo_id(repo_id)
+        publish_source.check_repo_id(repo_id)
 
 
 def test_good_repo_id():
-    pub.check_repo_id("me/gemma-2-2b-it-draft_v1.0")
+    publish_source.check_repo_id("me/gemma-2-2b-it-draft_v1.0")
 
 
 @pytest.mark.parametrize(
@@ -556,12 +557,12 @@ def test_no_local_path_is_uploaded(published, run_dir):
     ],
 )
 def test_scrub_text(text, want):
-    assert pub.scrub_text(text) == want
+    assert publish_source.scrub_text(text) == want
 
 
 @pytest.mark.parametrize("path", ["/home/Jane Doe/models/t", "C:\\Users\\Jane Doe\\models\\t", "~/t/"])
 def test_public_name_of_a_local_path_is_its_base_name(path):
-    assert pub.public_name(path) == "t"
+    assert publish_source.public_name(path) == "t"
 
 
 def test_license_and_hub_datasets_in_metadata(run_dir, tmp_path):
@@ -642,12 +643,12 @@ def test_card_states_every_engine(run_dir, tmp_path):
 )
 def test_speculator_configs_are_refused(config):
     with pytest.raises(pub.PublishError, match="speculator kind"):
-        pub.check_plain_draft_config(config)
+        publish_source.check_plain_draft_config(config)
 
 
 def test_plain_configs_pass():
     for config in ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, {"model_type": "qwen3"}):
-        pub.check_plain_draft_config(config)
+        publish_source.check_plain_draft_config(config)
 
 
 def test_speculator_checkpoint_is_refused_before_anything_is_written(run_dir, tmp_path):

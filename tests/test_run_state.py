@@ -269,7 +269,8 @@ for step, result in json.loads(sys.argv[3]):
 
 
 def test_a_kill_before_best_is_exported_is_repaired_by_resume_and_never_published(tmp_path):
-    from distill.publish import PublishError, resolve_source
+    from distill.hub import PublishError
+    from distill.publish_source import resolve_source
 
     out = tmp_path / "run"
     results = [(0, bench_result(0, 1.0)), (3, bench_result(3, 2.0))]  # step 3 is clearly faster: the new best
@@ -299,7 +300,8 @@ def test_publish_refuses_a_report_that_is_not_best(tmp_path):
     (best / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     write_json_atomic(best / "eval.json", bench_result(9, 2.0))
     write_json_atomic(tmp_path / "run" / "report.json", {"base": {}, "best": bench_result(6, 1.5), "best_step": 6})
-    from distill.publish import PublishError, resolve_source
+    from distill.hub import PublishError
+    from distill.publish_source import resolve_source
 
     for source in (tmp_path / "run", best):
         with pytest.raises(PublishError, match="report.json states other figures than best/eval.json"):
