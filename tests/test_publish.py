@@ -798,16 +798,22 @@ def eagle3_run(run_dir, tmp_path_factory) -> Path:
     from decode.kinds import eagle3
 
     root = tmp_path_factory.mktemp("eagle3-publish")
-    target_dir = run_dir.parent / "target"
-    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    # run_dir's target with 4 layers: a head fuses 3 distinct layers below the last
+    target_dir = root / "target"
+    shutil.copytree(run_dir.parent / "target", target_dir)
+    target = tiny_llama(
+        TARGET_VOCAB, 0, layers=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )
+    target.save_pretrained(target_dir)
     run = root / "run"
     recipe = load_recipe(None, [f"target.model={target_dir}", f"draft.model={run_dir.parent / 'draft'}"])
     recipe.output_dir = str(run)
     save_recipe(recipe, run)
-    head = eagle3.build(target, list(range(0, TARGET_VOCAB, 2)), aux_layers=[0, 1, 2])
+    head = eagle3.build(target, list(range(0, TARGET_VOCAB, 2)), aux_layers=[1, 2, 3])
     eagle3.save(head, run / "best")
-    (run / "best" / "eval.json").write_text(json.dumps({**BEST, "draft_kind": "eagle3"}))
-    (run / "report.json").write_text(json.dumps({"best": BEST, "best_step": 40, "checkpoints": []}))
+    best = {**BEST, "draft_kind": "eagle3"}
+    (run / "best" / "eval.json").write_text(json.dumps(best))
+    (run / "report.json").write_text(json.dumps({"best": best, "best_step": 40, "checkpoints": []}))
     return run
 
 
