@@ -141,11 +141,16 @@ def teacher_log_probs(teacher: torch.Tensor, draft_ids: torch.Tensor, temperatur
     lse = torch.cat([_scaled(c, temperature).logsumexp(-1, keepdim=True) for c in t.split(_ROWS)])
     inside = _scaled(t.index_select(-1, draft_ids.to(t.device)), temperature) - lse
     # the tail is what the draft vocabulary leaves: log(1 - sum p_inside), floored (exact to float32 rounding)
-    tail = torch.log((-torch.expm1(inside.logsumexp(-1, keepdim=True).clamp(max=0.0))).clamp(min=_TAIL_FLOOR))
+    tail = _log1m_exp(inside.logsumexp(-1, keepdim=True).clamp(max=0.0))
     return torch.cat([inside, tail], -1)
 
 
 _ROWS = 512  # rows per float32 chunk of the teacher's logits
+
+
+def _log1m_exp(log_p: torch.Tensor) -> torch.Tensor:
+    """log(1 - p) from log p <= 0, floored at log _TAIL_FLOOR."""
+    return torch.log((-torch.expm1(log_p)).clamp(min=_TAIL_FLOOR))
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -166,7 +171,7 @@ def student_log_probs(student: torch.Tensor, log_tail: torch.Tensor, temperature
     student [tokens, Vd] logits (carries the gradient), log_tail [tokens, 1] -> [tokens, Vd + 1] float32.
     """
     log_q = torch.log_softmax((student.float() / temperature).clamp(min=_LOGIT_FLOOR), -1)
-    log_inside = torch.log((-torch.expm1(log_tail)).clamp(min=_TAIL_FLOOR))  # log(1 - p_tail)
+    log_inside = _log1m_exp(log_tail)  # log(1 - p_tail)
     return torch.cat([log_q + log_inside, log_tail.expand(-1, 1)], -1)
 
 

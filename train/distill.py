@@ -341,8 +341,9 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
 
     draft_vocab = None  # an EAGLE-3 head carries its own (head.draft_ids)
     if recipe.draft.vocab_subset and not head_kind:
-        draft_vocab, where = frequent_tokens(source, recipe.draft.vocab_subset)
-        cached = source.cache.completions() if source.cache is not None else []
+        cached = source.cache.completions() if source.cache is not None else []  # read once for both uses
+        size = recipe.draft.vocab_subset
+        draft_vocab, where = draft_vocabulary(size, train_prompts, cached, vocab_size, source.eos_token_id)
         state.draft_vocab = (draft_vocab, vocab_size, where, vocabulary_text(train_prompts, cached)[0])
         if accelerator.is_main_process:
             print(f"draft vocabulary: the {len(draft_vocab)} of {vocab_size} tokens most frequent in the {where}")
