@@ -203,8 +203,12 @@ class DistillConfig:
     )
     cache_teacher: bool = _f(
         False,
-        "keep the target's top-k log-probabilities (distill.top_k) of each target-generated or dataset sequence in "
-        "memory: when the sequence comes back in a later epoch the step skips the target's forward",
+        "keep the target's side of each target-generated or dataset sequence in memory (a standalone draft: its "
+        "top-k log-probabilities, distill.top_k; an EAGLE-3 head: its hidden states): when the sequence comes back "
+        "in a later epoch the step skips the target's forward",
+    )
+    cache_teacher_gb: float = _f(
+        8.0, "distill.cache_teacher: memory per process for kept sequences (GB); sequences past it are not kept"
     )
     cache_dir: str = _f("", "target continuation cache (empty: <output_dir>/rollout_cache); runs may share one")
     ttt_steps: int = _f(
@@ -231,12 +235,8 @@ class DistillConfig:
             "distill.num_draft_tokens",
             f"must be an int >= 0 (0: the target alone) or 'auto', got {self.num_draft_tokens!r}",
         )
+        _check(self.cache_teacher_gb > 0, "distill.cache_teacher_gb", f"must be > 0, got {self.cache_teacher_gb}")
         if self.cache_teacher:
-            _check(
-                self.top_k > 0,
-                "distill.cache_teacher",
-                "keeps the teacher's top-k log-probabilities: set distill.top_k (e.g. 64) or cache_teacher=false",
-            )
             _check(
                 self.source != "draft",
                 "distill.cache_teacher",
@@ -304,6 +304,11 @@ class TrainConfig:
 class EvalConfig:
     """The speculative-decoding bench run at step 0, every `every` steps and at the end."""
 
+    at_start: bool = _f(
+        True,
+        "evaluate the starting draft before the first step (false: skip it, e.g. for a fresh EAGLE-3 head, which "
+        "proposes random tokens: its first evaluation is then the first checkpoint)",
+    )
     every: int = _f(50, "optimizer steps between evaluations")
     every_minutes: float = _f(0.0, "also evaluate each time the training clock passes a multiple of this (0: off)")
     num_prompts: int = _f(16, "eval prompts used per evaluation")
@@ -379,6 +384,12 @@ class Recipe:
         _check(not self.target.lora.enabled, "target.lora.enabled", "the target is frozen; put LoRA on the draft")
         if self.publish.push_to_hub:
             _check(bool(self.publish.repo_id), "publish.repo_id", "set USER/NAME when publish.push_to_hub is true")
+        if self.distill.cache_teacher and self.draft.kind != "eagle3":
+            _check(
+                self.distill.top_k > 0,
+                "distill.cache_teacher",
+                "keeps the teacher's top-k log-probabilities: set distill.top_k (e.g. 64) or cache_teacher=false",
+            )
         if self.draft.kind == "eagle3":
             _check_eagle3(self)
         elif self.distill.loss_vocab == "subset":
@@ -416,12 +427,6 @@ def _check_eagle3(recipe: Recipe) -> None:
         key,
         f"eagle3 trains on the target's continuations or fixed data; distill.source={cfg.source} samples from "
         "the draft: set distill.source=target (or fixed)",
-    )
-    _check(
-        not cfg.cache_teacher,
-        key,
-        "eagle3 runs the target every step for its hidden states, so there is no teacher to cache: set "
-        "distill.cache_teacher=false",
     )
     _check(
         cfg.loss_vocab == "full" and cfg.top_k == 0,

@@ -13,19 +13,25 @@ distribution at position i + k + 1, over the head's draft vocabulary plus one ta
 
 from __future__ import annotations
 
+import itertools
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from decode.compat import text_config
 from decode.kinds import eagle3
 from distill import losses
 from distill.config import EAGLE3_VOCAB, DistillConfig, Recipe
 
 # Tail mass below this is treated as this (log = -69), so that a draft vocabulary covering every token gives finite
 # log-probabilities whose KL terms are 0 (distill.losses uses the same floor).
+logger = logging.getLogger(__name__)
+
 _TAIL_FLOOR = 1e-30
 _LOGIT_FLOOR = -1e4  # -inf logits (masked) give p = 0 and a finite log p, as in distill.losses
 
@@ -188,52 +194,100 @@ def step_log_probs(
 
 def target_forward(
     target: nn.Module, batch: dict[str, torch.Tensor], aux_layers: Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frozen target on the batch: (features [B, S, 3 * H_target], logits [B, S, V]), one forward."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The frozen target on the batch, one forward: (features [B, S, 3 * H_target], logits [B, S, V], last hidden
+    state [B, S, H_target], the input of its output layer)."""
     with torch.no_grad():
         out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
     if out.hidden_states is None:
         raise ValueError(
             "the target's forward returned no hidden states (output_hidden_states): use draft.kind=standalone"
         )
-    return torch.cat([out.hidden_states[i] for i in aux_layers], -1), out.logits
+    return torch.cat([out.hidden_states[i] for i in aux_layers], -1), out.logits, out.hidden_states[-1]
+
+
+@dataclass
+class TargetSide:
+    """What the frozen target gives one batch: the head's input and its teacher, per position [B, S, ...]."""
+
+    features: torch.Tensor  # [B, S, 3 * H_target] the aux hidden states
+    log_p: torch.Tensor  # [B, S, Vd + 1] float32: log p over the draft vocabulary, then the tail bucket
+    top: torch.Tensor  # [B, S] the target's most likely token (for train/acc_k)
+    computed: int  # rows the target ran a forward for (the rest came from a TargetCache)
+
+
+def target_side(
+    target: nn.Module,
+    batch: dict[str, torch.Tensor],
+    head: eagle3.Eagle3Head,
+    temperature: float = 1.0,
+    cache: TargetCache | None = None,
+    keys: Sequence[bytes] | None = None,
+) -> TargetSide:
+    """The target's side of a batch: from ``cache`` when it holds every row (``keys``: one
+    :func:`distill.teacher_cache.sequence_key` per row), else from one forward of the target, kept in ``cache``."""
+    valid = batch["attention_mask"].bool()
+    if cache is not None and keys is not None:
+        found = cache.batch(keys, valid, head.draft_ids)
+        if found is not None:
+            return found
+    features, logits, last = target_forward(target, batch, head.aux_layers)
+    flat = logits.flatten(0, 1)
+    log_p = teacher_log_probs(flat, head.draft_ids, temperature).view(*valid.shape, -1)
+    top = logits.argmax(-1)
+    if cache is not None and keys is not None:
+        cache.put_batch(keys, valid, features, last, flat, log_p, top, head.draft_ids)
+    return TargetSide(features, log_p, top, computed=valid.shape[0])
 
 
 def step_loss(
-    model: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], cfg: DistillConfig
+    model: nn.Module,
+    target: nn.Module,
+    batch: dict[str, torch.Tensor],
+    cfg: DistillConfig,
+    cache: TargetCache | None = None,
+    keys: Sequence[bytes] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted loss of one micro-batch, sum_k w^k loss_k / sum_k w^k, and per step k its loss and the head's
-    top-1 agreement with the target (``train/loss_k``, ``train/acc_k``).
+    top-1 agreement with the target (``train/loss_k``, ``train/acc_k``); ``train/teacher_forwards``: rows the
+    target ran a forward for.
 
     Args:
         model: the prepared :class:`Unrolled` (DDP-wrapped or not).
         batch: :func:`distill.data.collate_training`'s right-padded batch; its loss_mask (distill.loss_positions)
             selects which predicted tokens count, as for a standalone draft.
+        cache, keys: distill.cache_teacher's :class:`TargetCache` and the batch's sequence keys.
     """
     head = head_of(getattr(model, "module", model))
-    features, teacher = target_forward(target, batch, head.aux_layers)
+    side = target_side(target, batch, head, cfg.temperature, cache, keys)
     valid = batch["attention_mask"].bool()
     positions = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
-    outputs = model(batch["input_ids"], features, positions, valid, cfg.ttt_steps)
+    outputs = model(batch["input_ids"], side.features, positions, valid, cfg.ttt_steps)
     draft_ids = head.draft_ids
-    # The teacher of every position once (each unrolled step reads the same rows, shifted): [B, S, Vd + 1]
-    teacher_lp = teacher_log_probs(teacher.flatten(0, 1), draft_ids, cfg.temperature).view(*valid.shape, -1)
-    teacher_top = teacher.argmax(-1)  # [B, S]
-    total, weights, stats = None, 0.0, {}
+    log_p = side.log_p.flatten(0, 1)  # [B * S, Vd + 1]: each unrolled step reads the same rows, shifted
+    # forward KL's terms that depend on the target alone, once per position (see fkl_rows)
+    fkl = _FklTeacher.of(log_p) if cfg.loss == "fkl" else None
+    width = valid.shape[1]
+    total, weights, stats = None, 0.0, {"train/teacher_forwards": float(side.computed)}
     for k, student in enumerate(outputs):
         # step k at i predicts token i + k + 2, which the target's logits at i + k + 1 predict
         mask = eagle3.step_mask(valid, k) & eagle3.shift_left(batch["loss_mask"], k + 1).bool()
         if not bool(mask.any()):
             continue  # sequences too short for this step
         rows_b, rows_i = mask.nonzero(as_tuple=True)
-        s_rows, log_pt = student[rows_b, rows_i], teacher_lp[rows_b, rows_i + k + 1]
-        log_ps = student_log_probs(s_rows, log_pt[:, -1:], cfg.temperature)
-        loss_k = losses.divergence(log_ps, log_pt, cfg.loss, cfg.beta).mean()
+        teacher_rows = rows_b * width + rows_i + k + 1
+        s_rows = student[rows_b, rows_i]
+        if fkl is not None:
+            loss_k = fkl.rows(s_rows, teacher_rows, cfg.temperature).mean()
+        else:
+            log_pt = log_p[teacher_rows]
+            log_ps = student_log_probs(s_rows, log_pt[:, -1:], cfg.temperature)
+            loss_k = losses.divergence(log_ps, log_pt, cfg.loss, cfg.beta).mean()
         weight = cfg.step_weight**k
         total = weight * loss_k if total is None else total + weight * loss_k
         weights += weight
         with torch.no_grad():
-            same = draft_ids[s_rows.argmax(-1)] == teacher_top[rows_b, rows_i + k + 1]
+            same = draft_ids[s_rows.argmax(-1)] == side.top.flatten()[teacher_rows]
         stats[f"train/loss_{k}"] = float(loss_k.detach())
         stats[f"train/acc_{k}"] = float(same.float().mean())
     if total is None:
@@ -242,3 +296,139 @@ def step_loss(
             "past its prompt; raise distill.max_new_tokens"
         )
     return total / weights, stats
+
+
+@dataclass
+class _FklTeacher:
+    """Forward KL against the pinned-tail teacher, with the target's terms computed once per batch.
+
+    With the student's tail pinned to the target's (:func:`student_log_probs`), KL(p || p_S) over the Vd + 1
+    outcomes is sum_v p_v log p_v - (1 - p_tail) log(1 - p_tail) - sum_v p_v log q_v (v over the draft
+    vocabulary): a per-position constant minus a soft-label cross-entropy. It equals losses.divergence(..., "fkl")
+    (tested) without building [tokens, Vd + 1] student log-probabilities for every unrolled step.
+    """
+
+    p_inside: torch.Tensor  # [rows, Vd] the target's probabilities of the draft vocabulary
+    constant: torch.Tensor  # [rows] the terms without the student
+
+    @staticmethod
+    def of(log_p: torch.Tensor) -> _FklTeacher:
+        inside, log_tail = log_p[:, :-1], log_p[:, -1]
+        p = inside.exp()
+        # 0 * log 0 is 0: masked tokens (log p = -1e4) give p = 0 exactly
+        constant = (p * inside).sum(-1) - p.sum(-1) * _log1m_exp(log_tail)
+        return _FklTeacher(p, constant)
+
+    def rows(self, student: torch.Tensor, rows: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[tokens] KL of the head's logits ``student`` [tokens, Vd] against the teacher's rows ``rows``."""
+        log_q = torch.log_softmax((student.float() / temperature).clamp(min=_LOGIT_FLOOR), -1)
+        return self.constant[rows] - (self.p_inside[rows] * log_q).sum(-1)
+
+
+# ---------------------------------------------------------------- the target's side, kept for later epochs
+
+
+class TargetCache:
+    """distill.cache_teacher for a head: the target's side of each training sequence, kept in memory, so that
+    when the sequence comes back in a later epoch the step runs the head alone.
+
+    Per real token it keeps the three aux hidden states and the last hidden state (the output layer's input) in
+    the target's dtype, the log-sum-exp of its logits and its top token: the teacher's log-probabilities over the
+    draft vocabulary are rebuilt from the last hidden state and the output layer's draft rows (Vd of its V rows).
+    SmolLM2-135M: 4.6 kB a token, 1.1 GB per process for the recipe's 2569 sequences on 2 processes. A target
+    whose logits are not its output layer over that state (a scale, a soft cap beyond Gemma 2's) is found on the
+    first batch: the cache then keeps nothing and every step runs the target. Rows past ``max_gb`` are not kept.
+    """
+
+    def __init__(self, target: nn.Module, temperature: float, max_gb: float) -> None:
+        self.temperature = temperature
+        self.max_bytes = int(max_gb * 1e9)
+        out = target.get_output_embeddings()
+        self._weight = out.weight if out is not None else None
+        self._bias = getattr(out, "bias", None)
+        self._softcap = getattr(text_config(target), "final_logit_softcapping", None)
+        self._entries: dict[bytes, tuple[torch.Tensor, ...]] = {}
+        self.nbytes = 0
+        self.usable: bool | None = None if self._weight is not None else False  # None: not checked yet
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _inside_logits(self, last: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+        """The target's logits of the draft vocabulary from its last hidden state, [n, H] -> [n, Vd] float32."""
+        ids = draft_ids.to(self._weight.device)
+        logits = last.to(self._weight.dtype) @ self._weight[ids].T
+        if self._bias is not None:
+            logits = logits + self._bias[ids]
+        logits = logits.float()
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    def _log_p(self, last: torch.Tensor, lse: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+        inside = _scaled(self._inside_logits(last, draft_ids), self.temperature) - lse[:, None]
+        return torch.cat([inside, _log1m_exp(inside.logsumexp(-1, keepdim=True).clamp(max=0.0))], -1)
+
+    def put_batch(
+        self,
+        keys: Sequence[bytes],
+        valid: torch.Tensor,
+        features: torch.Tensor,
+        last: torch.Tensor,
+        logits: torch.Tensor,
+        log_p: torch.Tensor,
+        top: torch.Tensor,
+        draft_ids: torch.Tensor,
+    ) -> None:
+        """Keep each row's real tokens (``logits`` [B * S, V] and ``log_p`` [B, S, Vd + 1] as the step computed)."""
+        if self.usable is False:
+            return
+        rows = valid.flatten()
+        lse = torch.cat([_scaled(c, self.temperature).logsumexp(-1) for c in logits[rows].split(_ROWS)])
+        if self.usable is None:  # the first batch: are the logits the output layer over the last hidden state?
+            rebuilt = self._inside_logits(last.flatten(0, 1)[rows], draft_ids)
+            given = logits[rows].index_select(-1, draft_ids.to(logits.device)).float()
+            # a scale or a cap differs by far more than the rounding of the target's dtype (2 bf16 steps)
+            self.usable = bool(torch.allclose(rebuilt, given, rtol=2**-6, atol=1e-3))
+            if not self.usable:
+                gap = float((rebuilt - given).abs().max())
+                logger.warning(
+                    "distill.cache_teacher: the target's logits are not its output layer over its last hidden "
+                    "state (largest gap %.3g), so nothing is kept and every step runs the target",
+                    gap,
+                )
+                return
+        lengths = valid.sum(-1).tolist()
+        starts = [0, *itertools.accumulate(lengths)]
+        for b, key in enumerate(keys):
+            n = lengths[b]
+            entry = (
+                features[b, :n].detach().cpu(),
+                last[b, :n].detach().cpu(),
+                lse[starts[b] : starts[b] + n].cpu(),
+                top[b, :n].to("cpu", torch.int32),
+            )
+            size = sum(t.numel() * t.element_size() for t in entry)
+            if key in self._entries or self.nbytes + size > self.max_bytes:
+                continue
+            self._entries[key] = entry
+            self.nbytes += size
+
+    def batch(self, keys: Sequence[bytes], valid: torch.Tensor, draft_ids: torch.Tensor) -> TargetSide | None:
+        """The batch's :class:`TargetSide` rebuilt from kept rows, or None unless every row is kept."""
+        found = [self._entries.get(k) for k in keys]
+        if not self.usable or any(entry is None for entry in found):
+            return None
+        device, (b, s) = valid.device, valid.shape
+        feats, last, lse, top = (torch.cat([e[j] for e in found]).to(device) for j in range(4))
+        rows = valid.flatten()
+        log_p_rows = self._log_p(last, lse, draft_ids)
+        # padding positions (never trained): probability 0 inside, everything in the tail
+        log_p = log_p_rows.new_full((b * s, log_p_rows.shape[1]), _LOGIT_FLOOR)
+        log_p[:, -1] = 0.0
+        log_p[rows] = log_p_rows
+        features = feats.new_zeros(b * s, feats.shape[-1])
+        features[rows] = feats
+        top_all = torch.zeros(b * s, dtype=torch.long, device=device)
+        top_all[rows] = top.long()
+        return TargetSide(features.view(b, s, -1), log_p.view(b, s, -1), top_all.view(b, s), computed=0)

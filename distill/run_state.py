@@ -292,7 +292,8 @@ class RunState:
         """report.json's content: base and best evaluations, every checkpoint's figures."""
         best = select_best(self.infos())
         return {
-            "base": json.loads((self.out / "base_eval.json").read_text()),
+            # null when eval.at_start=false skipped the starting draft's evaluation
+            "base": json.loads(base.read_text()) if (base := self.out / "base_eval.json").exists() else None,
             "best": json.loads((self.out / "best" / "eval.json").read_text()),
             "best_step": best.step,
             "checkpoints": sorted(self.history, key=lambda h: h["step"]),

@@ -33,11 +33,12 @@ def sequence_key(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> by
 class TeacherCache:
     """Top-k teacher rows per training sequence: `get` / `put` by :func:`sequence_key`."""
 
-    def __init__(self, top_k: int, temperature: float) -> None:
+    def __init__(self, top_k: int, temperature: float, max_gb: float = float("inf")) -> None:
         if top_k <= 0:
             raise ValueError(f"the teacher cache needs top_k > 0, got {top_k}")
         self.top_k = top_k
         self.temperature = temperature
+        self.max_bytes = max_gb * 1e9  # rows past it are not kept (distill.cache_teacher_gb)
         self._entries: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
         self.nbytes = 0
         self.hits = 0
@@ -61,10 +62,13 @@ class TeacherCache:
         # 6 bytes per id instead of 12
         ids, logp = ids.to("cpu", torch.int32), logp.to("cpu", torch.float16)
         old = self._entries.get(key)
+        size = ids.numel() * ids.element_size() + logp.numel() * logp.element_size()
+        if old is None and self.nbytes + size > self.max_bytes:
+            return
         if old is not None:
             self.nbytes -= sum(t.numel() * t.element_size() for t in old)
         self._entries[key] = (ids, logp)
-        self.nbytes += ids.numel() * ids.element_size() + logp.numel() * logp.element_size()
+        self.nbytes += size
 
 
 def teacher_rows(

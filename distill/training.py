@@ -272,23 +272,24 @@ def eval_metrics(result: dict, prefix: str = "eval/") -> dict[str, float]:
 # ---------------------------------------------------------------- output
 
 
-def summary_table(base: dict, best: dict, best_step: int) -> str:
-    """Base vs best, as printed at the end of a run."""
-    rows = [
-        ("acceptance rate", base["acceptance_rate"], best["acceptance_rate"], "{:.3f}"),
-        ("tau (tokens / target pass)", base["mean_accepted_length"], best["mean_accepted_length"], "{:.2f}"),
-        ("speedup vs target", base["speedup"]["vs_target"], best["speedup"]["vs_target"], "{:.2f}x"),
-        ("tokens/s speculative", base["tokens_per_s"]["speculative"], best["tokens_per_s"]["speculative"], "{:.1f}"),
+def summary_table(base: dict | None, best: dict, best_step: int) -> str:
+    """Base vs best, as printed at the end of a run (base "-" when eval.at_start=false skipped it)."""
+    figures = [
+        ("acceptance rate", lambda r: r["acceptance_rate"], "{:.3f}"),
+        ("tau (tokens / target pass)", lambda r: r["mean_accepted_length"], "{:.2f}"),
+        ("speedup vs target", lambda r: r["speedup"]["vs_target"], "{:.2f}x"),
+        ("tokens/s speculative", lambda r: r["tokens_per_s"]["speculative"], "{:.1f}"),
     ]
-    width = max(len(r[0]) for r in rows)
+    width = max(len(name) for name, _, _ in figures)
     lines = [f"{'':<{width}}  {'base':>9}  {f'best (step {best_step})':>16}"]
-    for name, a, b, fmt in rows:
-        lines.append(f"{name:<{width}}  {fmt.format(a):>9}  {fmt.format(b):>16}")
+    for name, get, fmt in figures:
+        a = fmt.format(get(base)) if base is not None else "-"
+        lines.append(f"{name:<{width}}  {a:>9}  {fmt.format(get(best)):>16}")
     return "\n".join(lines)
 
 
-def plot_base_vs_best(base: dict, best: dict, path: Path) -> Path:
-    """Per-position acceptance of the base draft and of best/ (PNG)."""
+def plot_base_vs_best(base: dict | None, best: dict, path: Path) -> Path:
+    """Per-position acceptance of the base draft (when evaluated) and of best/ (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -296,6 +297,8 @@ def plot_base_vs_best(base: dict, best: dict, path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, result in (("base draft", base), ("best", best)):
+        if result is None:
+            continue
         ys = result["per_position_acceptance"]
         ax.plot(range(1, len(ys) + 1), ys, marker="o", label=f"{label} (a={result['acceptance_rate']:.2f})")
     ax.set_xlabel("draft position i")

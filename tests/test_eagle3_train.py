@@ -61,6 +61,22 @@ def test_default_unroll_and_weights_are_the_kinds():
     assert (cfg.ttt_steps, cfg.step_weight) == (eagle3.TTT_STEPS, eagle3.STEP_WEIGHT)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_forward_kl_shortcut_equals_the_divergence_it_replaces(temperature):
+    g = torch.Generator().manual_seed(2)
+    teacher = torch.randn(6, 40, generator=g) * 4
+    teacher[0, 5] = float("-inf")  # a masked token: p = 0 exactly
+    student = torch.randn(6, 12, generator=g, requires_grad=True)
+    ids = torch.tensor([0, 3, 4, 5, 9, 11, 17, 20, 21, 30, 33, 38])
+    log_pt = eagle3_train.teacher_log_probs(teacher, ids, temperature)
+    log_ps = eagle3_train.student_log_probs(student, log_pt[:, -1:], temperature)
+    generic = losses.divergence(log_ps, log_pt, "fkl")
+    (g_generic,) = torch.autograd.grad(generic.sum(), student)
+    shortcut = eagle3_train._FklTeacher.of(log_pt).rows(student, torch.arange(6), temperature)
+    (g_shortcut,) = torch.autograd.grad(shortcut.sum(), student)
+    assert torch.allclose(shortcut, generic, atol=1e-5) and torch.allclose(g_shortcut, g_generic, atol=1e-6)
+
+
 # ---------------------------------------------------------------- the step on a real tiny target
 
 
@@ -79,7 +95,9 @@ def test_step_loss_decreases_and_reports_every_unrolled_step():
         loss.backward()
         optimizer.step()
         seen.append(float(loss.detach()))
-    assert set(stats) == {f"train/{name}_{k}" for name in ("loss", "acc") for k in range(3)}
+    assert set(stats) == {f"train/{name}_{k}" for name in ("loss", "acc") for k in range(3)} | {
+        "train/teacher_forwards"
+    }
     weights = [0.8**k for k in range(3)]
     weighted = sum(w * stats[f"train/loss_{k}"] for k, w in enumerate(weights)) / sum(weights)
     assert weighted == pytest.approx(seen[-1], rel=1e-4)
@@ -98,7 +116,6 @@ def test_step_loss_decreases_and_reports_every_unrolled_step():
         ("draft.init=truncate", "draft.init"),
         ("distill.source=draft", "distill.source=target"),
         ("distill.source=mix", "distill.source=target"),
-        ("distill.cache_teacher=true", "cache_teacher=false"),
         ("distill.top_k=64", "top_k=0"),
         ("draft.aux_layers=[1,2]", "3 target layers"),
         ("distill.ttt_steps=0", "distill.ttt_steps"),
@@ -106,9 +123,8 @@ def test_step_loss_decreases_and_reports_every_unrolled_step():
     ],
 )
 def test_options_that_do_not_apply_to_a_head_are_refused(override, needle):
-    needs = ["distill.top_k=64"] if "cache_teacher" in override else []  # cache_teacher's own precondition
     with pytest.raises(RecipeError) as err:
-        load_recipe(None, ["draft.kind=eagle3", *needs, override])
+        load_recipe(None, ["draft.kind=eagle3", override])
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
@@ -209,16 +225,27 @@ def test_checkpoints_and_best_hold_the_served_head(head_run, assets):
 
 
 @pytest.mark.slow
-def test_two_processes_train_one_head(assets, tmp_path):
+def test_two_processes_train_one_head_from_kept_hidden_states_in_later_epochs(assets, tmp_path):
     out = tmp_path / "run"
-    recipe = head_recipe(assets, out, train={"batch_size": 2}, eval={"every": 6})
+    recipe = head_recipe(
+        assets,
+        out,
+        distill={"cache_teacher": True},
+        train={"batch_size": 2, "max_steps": 14},  # 40 prompts, 2 per process a step: epoch 2 from step 11
+        eval={"every": 14, "at_start": False},
+    )
     proc = launch(write_recipe(tmp_path, recipe), processes=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert report["world_size"] == 2
+    assert report["world_size"] == 2 and report["base"] is None  # eval.at_start=false: no step-0 evaluation
+    assert [c["step"] for c in report["checkpoints"]] == [14]
     a, b = report["param_checksums"]
     assert a == b
     assert (out / "best" / "model.safetensors").is_file()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    forwards = {r["step"]: r["train/teacher_forwards"] for r in rows if "train/teacher_forwards" in r}
+    assert [forwards[s] for s in range(1, 15)] == [2] * 10 + [0] * 4  # the second epoch runs the head alone
+    assert max(r["train/teacher_cache_gb"] for r in rows if "train/teacher_cache_gb" in r) > 0
 
 
 @pytest.mark.slow
@@ -250,3 +277,70 @@ def test_bad_input_is_one_error_line_and_nothing_written(assets, tmp_path, draft
     line = error_line(run_script("--recipe", str(write_recipe(tmp_path, head_recipe(assets, out, draft=draft)))))
     assert needle in line
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- distill.cache_teacher for a head
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen2"])
+@pytest.mark.parametrize("loss", ["fkl", "jsd"])
+def test_a_kept_batch_gives_the_loss_and_gradient_of_the_target_forward(arch, loss):
+    from transformers import AutoModelForCausalLM
+
+    from distill.teacher_cache import sequence_key
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(tiny_config(arch, 97, layers=4, initializer_range=0.2)).eval()
+    target.requires_grad_(False)
+    g = torch.Generator().manual_seed(3)
+    pairs = [
+        (torch.randint(1, 97, (4 + b,), generator=g).tolist(), torch.randint(1, 97, (12,), generator=g).tolist())
+        for b in range(3)
+    ]
+    batch = data.collate_training(pairs, 0, loss_positions="all")
+    keys = [sequence_key(*p) for p in pairs]
+    model = eagle3_train.Unrolled(eagle3.build(target, list(range(0, 97, 2))))
+    cfg = DistillConfig(loss=loss, temperature=0.8)
+    cache = eagle3_train.TargetCache(target, cfg.temperature, max_gb=1.0)
+    results = []
+    for _ in range(2):  # the first step runs the target and keeps the batch, the second reads it back
+        loss_value, stats = eagle3_train.step_loss(model, target, batch, cfg, cache=cache, keys=keys)
+        (grad,) = torch.autograd.grad(loss_value, model.head.fc.weight)
+        results.append((loss_value.detach(), grad, stats))
+    (first, g1, s1), (second, g2, s2) = results
+    assert cache.usable and len(cache) == 3 and cache.nbytes > 0
+    assert (s1["train/teacher_forwards"], s2["train/teacher_forwards"]) == (3.0, 0.0)
+    assert torch.allclose(first, second, atol=1e-5) and torch.allclose(g1, g2, atol=1e-6)
+    assert all(s1[f"train/acc_{k}"] == s2[f"train/acc_{k}"] for k in range(3))
+
+
+def test_a_target_whose_logits_are_not_its_output_layer_is_never_read_from_the_cache():
+    from distill.teacher_cache import sequence_key
+
+    target = tiny_llama(97, 0, layers=4).requires_grad_(False)
+    target.lm_head.forward = lambda h: torch.nn.functional.linear(h, target.lm_head.weight) * 0.5  # a logit scale
+    pairs = [([5, 6, 7], list(range(10, 30)))]
+    batch = data.collate_training(pairs, 0)
+    model = eagle3_train.Unrolled(eagle3.build(target, list(range(64))))
+    cache = eagle3_train.TargetCache(target, 1.0, max_gb=1.0)
+    keys = [sequence_key(*pairs[0])]
+    for _ in range(2):
+        _, stats = eagle3_train.step_loss(model, target, batch, DistillConfig(), cache=cache, keys=keys)
+        assert stats["train/teacher_forwards"] == 1.0
+    assert cache.usable is False and len(cache) == 0
+
+
+def test_rows_past_the_memory_bound_are_not_kept():
+    from distill.teacher_cache import sequence_key
+
+    target = tiny_llama(97, 0, layers=4).requires_grad_(False)
+    pairs = [([5, 6, 7], list(range(10, 30))), ([8, 9], list(range(40, 60)))]
+    batch = data.collate_training(pairs, 0)
+    model = eagle3_train.Unrolled(eagle3.build(target, list(range(64))))
+    one_row = 23 * (3 * 64 * 4 + 64 * 4 + 4 + 4)  # the first sequence's 23 tokens, float32 states
+    cache = eagle3_train.TargetCache(target, 1.0, max_gb=one_row / 1e9)
+    keys = [sequence_key(*p) for p in pairs]
+    eagle3_train.step_loss(model, target, batch, DistillConfig(), cache=cache, keys=keys)
+    assert len(cache) == 1 and cache.nbytes == one_row
+    _, stats = eagle3_train.step_loss(model, target, batch, DistillConfig(), cache=cache, keys=keys)
+    assert stats["train/teacher_forwards"] == 2.0  # a batch is read back only when every row is kept

@@ -329,12 +329,16 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     metrics.log({"distributed": engine}, step=start_step)
     if not head_kind:
         source = make_source()
-    # distill.cache_teacher: the target's top-k rows of sequences that come back in later epochs
-    teachers = (
-        teacher_cache.TeacherCache(recipe.distill.top_k, recipe.distill.temperature)
-        if recipe.distill.cache_teacher
-        else None
-    )
+    # distill.cache_teacher: the target's side of sequences that come back in later epochs (a standalone draft's
+    # top-k teacher rows; a head's hidden states)
+    teachers = None
+    if recipe.distill.cache_teacher:
+        cfg = recipe.distill
+        teachers = (
+            eagle3_train.TargetCache(target, cfg.temperature, cfg.cache_teacher_gb)
+            if head_kind
+            else teacher_cache.TeacherCache(cfg.top_k, cfg.temperature, cfg.cache_teacher_gb)
+        )
     timer = Timer(recipe.train.max_minutes, elapsed_s=state.train_s + pregen.elapsed_s)
     if not head_kind:
         pregenerate(source, timer, rollout_draft)
@@ -358,7 +362,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     )
 
     # ---- loop
-    if start_step == 0:
+    if start_step == 0 and recipe.eval.at_start:
         evaluate_and_save(checkpoint, 0, None, 0.0)
     clock.elapsed_s = shared_elapsed_s(accelerator, timer)
     draft.train()
@@ -397,8 +401,12 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                     )  # fmt: skip
                     with accelerator.accumulate(draft):
                         if head_kind:  # the target's hidden states and logits, the head unrolled over them
-                            loss, unrolled = eagle3_train.step_loss(draft, target, batch, recipe.distill)
-                            agreement, scored = unrolled.get("train/acc_0", 0.0), len(pairs)
+                            keys = None if teachers is None else [teacher_cache.sequence_key(*p) for p in pairs]
+                            loss, unrolled = eagle3_train.step_loss(
+                                draft, target, batch, recipe.distill, cache=teachers, keys=keys
+                            )
+                            agreement = unrolled.get("train/acc_0", 0.0)
+                            scored = int(unrolled.pop("train/teacher_forwards"))
                             for key, value in unrolled.items():
                                 step_stats[key] = step_stats.get(key, 0.0) + value / recipe.train.grad_accum
                         else:
