@@ -136,16 +136,24 @@ def initial_head(
 # ---------------------------------------------------------------- the loss
 
 
-def teacher_log_probs(teacher: torch.Tensor, draft_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def log_sum_exp(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[tokens, V] logits -> [tokens] float32 log-sum-exp of logits / temperature, in float32 chunks of rows (no
+    full-width float32 copy of a batch's logits)."""
+    return torch.cat([_scaled(c, temperature).logsumexp(-1) for c in logits.detach().split(_ROWS)])
+
+
+def teacher_log_probs(
+    teacher: torch.Tensor, draft_ids: torch.Tensor, temperature: float = 1.0, lse: torch.Tensor | None = None
+) -> torch.Tensor:
     """The target's log-probabilities of the draft vocabulary's tokens and of the tail bucket (every other token).
 
     teacher [tokens, V] logits, draft_ids [Vd] target ids -> [tokens, Vd + 1] float32 (log p_tail floored at
-    log 1e-30, so a draft vocabulary covering every token still gives finite terms).
+    log 1e-30, so a draft vocabulary covering every token still gives finite terms). ``lse``: the rows'
+    :func:`log_sum_exp`, when the caller has it.
     """
     t = teacher.detach()
-    # log-sum-exp over the whole vocabulary in float32 chunks of rows: no full-width float32 copy of a batch's logits
-    lse = torch.cat([_scaled(c, temperature).logsumexp(-1, keepdim=True) for c in t.split(_ROWS)])
-    inside = _scaled(t.index_select(-1, draft_ids.to(t.device)), temperature) - lse
+    lse = log_sum_exp(t, temperature) if lse is None else lse
+    inside = _scaled(t.index_select(-1, draft_ids.to(t.device)), temperature) - lse[:, None]
     # the tail is what the draft vocabulary leaves: log(1 - sum p_inside), floored (exact to float32 rounding)
     tail = _log1m_exp(inside.logsumexp(-1, keepdim=True).clamp(max=0.0))
     return torch.cat([inside, tail], -1)
@@ -233,10 +241,11 @@ def target_side(
             return found
     features, logits, last = target_forward(target, batch, head.aux_layers)
     flat = logits.flatten(0, 1)
-    log_p = teacher_log_probs(flat, head.draft_ids, temperature).view(*valid.shape, -1)
+    lse = log_sum_exp(flat, temperature)
+    log_p = teacher_log_probs(flat, head.draft_ids, temperature, lse).view(*valid.shape, -1)
     top = logits.argmax(-1)
     if cache is not None and keys is not None:
-        cache.put_batch(keys, valid, features, last, flat, log_p, top, head.draft_ids)
+        cache.put_batch(keys, valid, features, last, flat, lse, top, head.draft_ids)
     return TargetSide(features, log_p, top, computed=valid.shape[0])
 
 
@@ -376,15 +385,15 @@ class TargetCache:
         features: torch.Tensor,
         last: torch.Tensor,
         logits: torch.Tensor,
-        log_p: torch.Tensor,
+        lse: torch.Tensor,
         top: torch.Tensor,
         draft_ids: torch.Tensor,
     ) -> None:
-        """Keep each row's real tokens (``logits`` [B * S, V] and ``log_p`` [B, S, Vd + 1] as the step computed)."""
+        """Keep each row's real tokens (``logits`` [B * S, V] and their ``lse`` [B * S] as the step computed)."""
         if self.usable is False:
             return
         rows = valid.flatten()
-        lse = torch.cat([_scaled(c, self.temperature).logsumexp(-1) for c in logits[rows].split(_ROWS)])
+        lse = lse[rows]
         if self.usable is None:  # the first batch: are the logits the output layer over the last hidden state?
             rebuilt = self._inside_logits(last.flatten(0, 1)[rows], draft_ids)
             given = logits[rows].index_select(-1, draft_ids.to(logits.device)).float()
