@@ -28,10 +28,10 @@ from decode.kinds import eagle3
 from distill import losses
 from distill.config import EAGLE3_VOCAB, DistillConfig, Recipe
 
-# Tail mass below this is treated as this (log = -69), so that a draft vocabulary covering every token gives finite
-# log-probabilities whose KL terms are 0 (distill.losses uses the same floor).
 logger = logging.getLogger(__name__)
 
+# Tail mass below this is treated as this (log = -69), so that a draft vocabulary covering every token gives finite
+# log-probabilities whose KL terms are 0 (distill.losses uses the same floor).
 _TAIL_FLOOR = 1e-30
 _LOGIT_FLOOR = -1e4  # -inf logits (masked) give p = 0 and a finite log p, as in distill.losses
 
@@ -153,10 +153,13 @@ def teacher_log_probs(
     """
     t = teacher.detach()
     lse = log_sum_exp(t, temperature) if lse is None else lse
-    inside = _scaled(t.index_select(-1, draft_ids.to(t.device)), temperature) - lse[:, None]
-    # the tail is what the draft vocabulary leaves: log(1 - sum p_inside), floored (exact to float32 rounding)
-    tail = _log1m_exp(inside.logsumexp(-1, keepdim=True).clamp(max=0.0))
-    return torch.cat([inside, tail], -1)
+    return _with_tail(_scaled(t.index_select(-1, draft_ids.to(t.device)), temperature) - lse[:, None])
+
+
+def _with_tail(inside: torch.Tensor) -> torch.Tensor:
+    """[tokens, Vd] log p of the draft vocabulary -> [tokens, Vd + 1] with the tail bucket appended: what the draft
+    vocabulary leaves, log(1 - sum p_inside), floored (exact to float32 rounding)."""
+    return torch.cat([inside, _log1m_exp(inside.logsumexp(-1, keepdim=True).clamp(max=0.0))], -1)
 
 
 _ROWS = 512  # rows per float32 chunk of the teacher's logits
@@ -274,7 +277,7 @@ def step_loss(
     outputs = model(batch["input_ids"], side.features, positions, valid, cfg.ttt_steps)
     draft_ids = head.draft_ids
     log_p = side.log_p.flatten(0, 1)  # [B * S, Vd + 1]: each unrolled step reads the same rows, shifted
-    # forward KL's terms that depend on the target alone, once per position (see fkl_rows)
+    # forward KL's terms that depend on the target alone, once per position (see _FklTeacher)
     fkl = _FklTeacher.of(log_p) if cfg.loss == "fkl" else None
     width = valid.shape[1]
     total, weights, stats = None, 0.0, {"train/teacher_forwards": float(side.computed)}
@@ -375,8 +378,7 @@ class TargetCache:
         return logits
 
     def _log_p(self, last: torch.Tensor, lse: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
-        inside = _scaled(self._inside_logits(last, draft_ids), self.temperature) - lse[:, None]
-        return torch.cat([inside, _log1m_exp(inside.logsumexp(-1, keepdim=True).clamp(max=0.0))], -1)
+        return _with_tail(_scaled(self._inside_logits(last, draft_ids), self.temperature) - lse[:, None])
 
     def put_batch(
         self,
