@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -347,6 +348,18 @@ def _cut_width(vocab: int | None, target: nn.Module, *drafts: nn.Module) -> int:
     return vocab
 
 
+def _drop_rows(
+    stream: KVStream, rows: list[int], gone: list[int], tensor: torch.Tensor
+) -> tuple[list[int], torch.Tensor]:
+    """Rows ``gone`` (indices into ``rows``) leave the batch: the stream's cache, ``rows`` and ``tensor``'s rows."""
+    keep = [i for i in range(len(rows)) if i not in set(gone)]
+    if not keep:
+        return [], tensor[:0]
+    sel = torch.tensor(keep, dtype=torch.long)
+    stream.select(sel)
+    return [rows[i] for i in keep], tensor[sel.to(tensor.device)]
+
+
 def target_generate(
     target: nn.Module,
     input_ids: torch.Tensor,
@@ -359,6 +372,7 @@ def target_generate(
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
     vocab: int | None = None,
+    observer: Any = None,
 ) -> SpecOutput:
     """draftsmith's own target-only loop: same KV handling and sampling path as ``speculative_generate``.
 
@@ -366,6 +380,11 @@ def target_generate(
         input_ids: ``[batch, prompt_len]`` left-padded; attention_mask: ``[batch, prompt_len]``.
         vocab: the logits width to decode over; None = the target's full width. Given the width
             ``speculative_generate`` used, both loops choose among exactly the same tokens.
+        observer: sees the target's side of every input, once each (what
+            ``distill.eagle3_train.GenerationRecorder`` keeps for training): each forward calls
+            ``observer.seen(rows, logits, states, valid)`` with the logits of all its inputs ``[B, q, vocab]``
+            and the hidden states at ``observer.layers`` side by side ``[B, q, ...]``; a finished row is fed its
+            last token once more before it leaves the batch. The tokens chosen do not change.
 
     Returns:
         SpecOutput with ``stats.target_forwards`` = forwards run (``drafted`` stays 0).
@@ -381,8 +400,19 @@ def target_generate(
         stream = KVStream(target, input_ids.shape[0], _cut_width(vocab, target))
         rows = list(range(input_ids.shape[0]))
         ids, valid = input_ids, prompt_mask
+        leaving: list[int] = []  # with an observer: rows done last round, fed their last token for it to see
         while rows:
-            logits = stream.feed(ids, valid, keep=1)[:, -1]
+            if observer is None:
+                logits = stream.feed(ids, valid, keep=1)[:, -1]
+            else:
+                full, states = stream.feed_with_features(ids, valid, ids.shape[1], observer.layers)
+                observer.seen(rows, full, states, valid)
+                logits = full[:, -1]
+            if leaving:
+                rows, logits = _drop_rows(stream, rows, leaving, logits)
+                leaving = []
+                if not rows:
+                    break
             if temperature == 0:
                 token = logits.argmax(-1)
             else:
@@ -393,15 +423,10 @@ def target_generate(
             stats.row_rounds += len(rows)
             stats.new_tokens += len(rows)
             ids, valid = token[:, None], None
-            if done:
-                finished = set(done)
-                keep = [i for i in range(len(rows)) if i not in finished]
-                if not keep:
-                    break
-                sel = torch.tensor(keep, dtype=torch.long)
-                stream.select(sel)
-                rows = [rows[i] for i in keep]
-                ids = ids[sel.to(ids.device)]
+            if done and observer is not None:
+                leaving = done
+            elif done:
+                rows, ids = _drop_rows(stream, rows, done, ids)
         stats.target_forwards = stream.forwards
     eos = _eos_ids(target, eos_token_id)
     return SpecOutput(

@@ -133,6 +133,12 @@ def initial_head(
     return head
 
 
+def planned_aux_layers(recipe: Recipe, target: nn.Module) -> list[int]:
+    """The aux layers a head built from ``target`` reads: draft.aux_layers, else the default (2, L//2, L-3). A head
+    started from draft.model reads its own, which may differ."""
+    return list(eagle3.head_config(target, 1, recipe.draft.aux_layers).eagle_aux_hidden_state_layer_ids)
+
+
 # ---------------------------------------------------------------- the loss
 
 
@@ -366,6 +372,10 @@ class TargetCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
+
     def _inside_logits(self, last: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
         """The target's logits of the draft vocabulary from its last hidden state, [n, H] -> [n, Vd] float32."""
         ids = draft_ids.to(self._weight.device)
@@ -392,13 +402,22 @@ class TargetCache:
         draft_ids: torch.Tensor,
     ) -> None:
         """Keep each row's real tokens (``logits`` [B * S, V] and their ``lse`` [B * S] as the step computed)."""
-        if self.usable is False:
-            return
         rows = valid.flatten()
+        if not self.check(last.flatten(0, 1)[rows], logits[rows], draft_ids):
+            return
         lse = lse[rows]
-        if self.usable is None:  # the first batch: are the logits the output layer over the last hidden state?
-            rebuilt = self._inside_logits(last.flatten(0, 1)[rows], draft_ids)
-            given = logits[rows].index_select(-1, draft_ids.to(logits.device)).float()
+        lengths = valid.sum(-1).tolist()
+        starts = [0, *itertools.accumulate(lengths)]
+        for b, key in enumerate(keys):
+            n = lengths[b]
+            self.put(key, features[b, :n], last[b, :n], lse[starts[b] : starts[b] + n], top[b, :n])
+
+    def check(self, last: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Whether rows can be kept: on the first call, are the target's ``logits`` [n, V] its output layer over
+        its ``last`` hidden states [n, H] (compared on the columns ``ids``)? Later calls return that answer."""
+        if self.usable is None:
+            rebuilt = self._inside_logits(last, ids)
+            given = logits.index_select(-1, ids.to(logits.device)).float()
             # a scale or a cap differs by far more than the rounding of the target's dtype (2 bf16 steps)
             self.usable = bool(torch.allclose(rebuilt, given, rtol=2**-6, atol=1e-3))
             if not self.usable:
@@ -408,22 +427,18 @@ class TargetCache:
                     "state (largest gap %.3g), so nothing is kept and every step runs the target",
                     gap,
                 )
-                return
-        lengths = valid.sum(-1).tolist()
-        starts = [0, *itertools.accumulate(lengths)]
-        for b, key in enumerate(keys):
-            n = lengths[b]
-            entry = (
-                features[b, :n].detach().cpu(),
-                last[b, :n].detach().cpu(),
-                lse[starts[b] : starts[b] + n].cpu(),
-                top[b, :n].to("cpu", torch.int32),
-            )
-            size = sum(t.numel() * t.element_size() for t in entry)
-            if key in self._entries or self.nbytes + size > self.max_bytes:
-                continue
-            self._entries[key] = entry
-            self.nbytes += size
+        return bool(self.usable)
+
+    def put(
+        self, key: bytes, features: torch.Tensor, last: torch.Tensor, lse: torch.Tensor, top: torch.Tensor
+    ) -> None:
+        """Keep one sequence's target side, [n, ...] per real token, unless it is kept already or past max_gb."""
+        entry = (features.detach().cpu(), last.detach().cpu(), lse.detach().cpu(), top.to("cpu", torch.int32))
+        size = sum(t.numel() * t.element_size() for t in entry)
+        if key in self._entries or self.nbytes + size > self.max_bytes:
+            return
+        self._entries[key] = entry
+        self.nbytes += size
 
     def batch(self, keys: Sequence[bytes], valid: torch.Tensor, draft_ids: torch.Tensor) -> TargetSide | None:
         """The batch's :class:`TargetSide` rebuilt from kept rows, or None unless every row is kept."""
@@ -443,3 +458,56 @@ class TargetCache:
         top_all = torch.zeros(b * s, dtype=torch.long, device=device)
         top_all[rows] = top.long()
         return TargetSide(features.view(b, s, -1), log_p.view(b, s, -1), top_all.view(b, s), computed=0)
+
+
+class GenerationRecorder:
+    """Fills a :class:`TargetCache` while the target generates the training continuations, so that no training
+    step runs the target for them: the target's forwards in generation already computed every position's hidden
+    states and logits (the ``observer`` of :func:`decode.speculative.target_generate`).
+
+        recorder = GenerationRecorder(cache, head_aux_layers)
+        completions = <target_generate(..., observer=recorder) over a batch of prompts>
+        recorder.finish(prompts, completions)   # keeps each sequence under its sequence_key, then forgets the batch
+    """
+
+    def __init__(self, cache: TargetCache, aux_layers: Sequence[int]) -> None:
+        self.cache = cache
+        self.layers = [*aux_layers, -1]  # the features, then the last hidden state (the output layer's input)
+        self._parts: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+
+    def seen(self, rows: list[int], logits: torch.Tensor, states: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """One forward's inputs: ``rows`` the batch rows they belong to, ``valid`` [B, q] False on padding."""
+        if self.cache.usable is False:
+            return
+        hidden = states.shape[-1] // len(self.layers)
+        flat = logits.flatten(0, 1)
+        lse = log_sum_exp(flat, self.cache.temperature).view(logits.shape[:2])
+        top = logits.argmax(-1)
+        real = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device) if valid is None else valid
+        if self.cache.usable is None:
+            last = states[..., -hidden:].flatten(0, 1)[real.flatten()]
+            if not self.cache.check(last, flat[real.flatten()], top[real].unique()):
+                self._parts.clear()
+                return
+        for b, row in enumerate(rows):
+            m = real[b].to(states.device)
+            self._parts.setdefault(row, []).append((states[b, m].cpu(), lse[b, m].cpu(), top[b, m].cpu()))
+
+    def finish(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> int:
+        """Keep row i's states under ``sequence_key(prompts[i], completions[i])``; returns how many were kept."""
+        from distill.teacher_cache import sequence_key
+
+        kept = 0
+        for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+            parts = self._parts.get(row)
+            if not parts:
+                continue
+            states, lse, top = (torch.cat([p[j] for p in parts]) for j in range(3))
+            if states.shape[0] != len(prompt) + len(completion):
+                continue  # not every position was seen (cannot happen with target_generate's observer)
+            hidden = states.shape[-1] // len(self.layers)
+            before = len(self.cache)
+            self.cache.put(sequence_key(prompt, completion), states[:, :-hidden], states[:, -hidden:], lse, top)
+            kept += len(self.cache) - before
+        self._parts.clear()
+        return kept

@@ -76,10 +76,13 @@ def generate_target_rollouts(
     generator: torch.Generator | None = None,
     num_draft_tokens: int | str = 4,
     vocab: int | None = None,
+    recorder: Any = None,
 ) -> list[list[int]]:
     """Target-distributed continuations of `examples`, one batch: speculative decoding with `draft` (lossless),
     or the target alone when `draft` is None or `num_draft_tokens` is 0 (a starting draft too weak to pay for
-    its own forwards, such as an untrained truncated one).
+    its own forwards, such as an untrained truncated one). `recorder`
+    (:class:`distill.eagle3_train.GenerationRecorder`, the target alone only) keeps the target's side of each
+    sequence as it is generated.
 
     Returns:
         per example, the new token ids (EOS included when generated, nothing after it).
@@ -101,6 +104,7 @@ def generate_target_rollouts(
                 batch["attention_mask"],
                 max_new_tokens=max_new_tokens,
                 generator=generator,
+                observer=recorder,
                 **sampling,
             )
         else:
@@ -114,7 +118,10 @@ def generate_target_rollouts(
                 generator=generator,
                 **sampling,
             )
-    return [list(map(int, t)) for t in out.new_tokens]
+    completions = [list(map(int, t)) for t in out.new_tokens]
+    if recorder is not None:
+        recorder.finish([e.prompt_ids for e in examples], completions)
+    return completions
 
 
 def generate_draft_rollouts(
@@ -341,12 +348,15 @@ def pregenerate_target_rollouts(
     accelerator: Any = None,
     progress: bool = True,
     vocab: int | None = None,
+    recorder: Any = None,
 ) -> int:
     """Fill `cache` with target continuations of every example not in it yet, before training starts.
 
     With accelerate, the missing examples are sharded across processes (each writes its own cache file), every
     process waits for the others and then reads all files. Batches are formed from prompts of similar length
-    (less padding); a tqdm bar shows progress on the main process.
+    (less padding); a tqdm bar shows progress on the main process. Each process generates every world-th missing
+    example from its rank: with nothing cached yet, the share :func:`distill.training.batch_indices` trains it on,
+    so what `recorder` (:func:`generate_target_rollouts`) keeps is what this process's steps read.
 
     Returns:
         the number of continuations this process generated.
@@ -369,6 +379,7 @@ def pregenerate_target_rollouts(
             generator=generator,
             num_draft_tokens=num_draft_tokens,
             vocab=vocab,
+            recorder=recorder,
         )
         cache.put(chunk, completions)
         bar.update(len(chunk))
@@ -455,6 +466,7 @@ class RolloutSource:
         accelerator: Any = None,
         batch_size: int = 8,
         progress: bool = True,
+        recorder: Any = None,
     ) -> int:
         """Fill the target cache up front (no-op without a cache, and for `source=schedule`, whose target phase
         uses a share of the prompts known only as the clock runs: it generates them on demand, on the clock);
@@ -475,4 +487,5 @@ class RolloutSource:
             accelerator=accelerator,
             progress=progress,
             vocab=self.vocab,
+            recorder=recorder,
         )

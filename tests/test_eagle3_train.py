@@ -225,7 +225,7 @@ def test_checkpoints_and_best_hold_the_served_head(head_run, assets):
 
 
 @pytest.mark.slow
-def test_two_processes_train_one_head_from_kept_hidden_states_in_later_epochs(assets, tmp_path):
+def test_two_processes_train_one_head_from_hidden_states_kept_while_generating(assets, tmp_path):
     out = tmp_path / "run"
     recipe = head_recipe(
         assets,
@@ -244,7 +244,10 @@ def test_two_processes_train_one_head_from_kept_hidden_states_in_later_epochs(as
     assert (out / "best" / "model.safetensors").is_file()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     forwards = {r["step"]: r["train/teacher_forwards"] for r in rows if "train/teacher_forwards" in r}
-    assert [forwards[s] for s in range(1, 15)] == [2] * 10 + [0] * 4  # the second epoch runs the head alone
+    # each process generated the continuations of its own share of the prompts and kept the target's states as
+    # it did: no step runs the target, in either epoch
+    assert [forwards[s] for s in range(1, 15)] == [0] * 14
+    assert "the target's states kept as it generated them (20 of this process's 20)" in proc.stdout
     assert max(r["train/teacher_cache_gb"] for r in rows if "train/teacher_cache_gb" in r) > 0
 
 
@@ -344,3 +347,62 @@ def test_rows_past_the_memory_bound_are_not_kept():
     assert len(cache) == 1 and cache.nbytes == one_row
     _, stats = eagle3_train.step_loss(model, target, batch, DistillConfig(), cache=cache, keys=keys)
     assert stats["train/teacher_forwards"] == 2.0  # a batch is read back only when every row is kept
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen2"])
+def test_states_kept_while_generating_equal_the_training_forward_and_change_no_token(arch):
+    from transformers import AutoModelForCausalLM
+
+    from distill.data import Example
+    from distill.rollouts import generate_target_rollouts
+    from distill.teacher_cache import sequence_key
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(tiny_config(arch, 97, layers=4, initializer_range=0.2)).eval()
+    target.requires_grad_(False)
+    g = torch.Generator().manual_seed(5)
+    examples = [Example(i, torch.randint(1, 97, (3 + 2 * i,), generator=g).tolist()) for i in range(4)]
+    plain = generate_target_rollouts(
+        examples, target, None, max_new_tokens=12, temperature=0.0, eos_token_id=[], pad_token_id=0
+    )
+    eos = plain[1][4]  # a token row 1 writes early: rows end at different rounds
+    gen = dict(max_new_tokens=12, temperature=0.0, eos_token_id=eos, pad_token_id=0)
+    plain = generate_target_rollouts(examples, target, None, **gen)
+    head = eagle3.build(target, list(range(0, 97, 2)))
+    cache = eagle3_train.TargetCache(target, 0.8, max_gb=1.0)
+    recorder = eagle3_train.GenerationRecorder(cache, head.aux_layers)
+    kept = generate_target_rollouts(examples, target, None, recorder=recorder, **gen)
+    assert kept == plain  # observing the states changes no token
+    assert len({len(c) for c in kept}) > 1 and any(c[-1] == eos for c in kept)
+    assert cache.usable and len(cache) == 4 and not recorder._parts
+    for example, completion in zip(examples, kept):
+        pair = (example.prompt_ids, completion)
+        batch = data.collate_training([pair], 0, loss_positions="all")
+        fresh = eagle3_train.target_side(target, batch, head, 0.8)
+        found = eagle3_train.target_side(target, batch, head, 0.8, cache, [sequence_key(*pair)])
+        assert (fresh.computed, found.computed) == (1, 0)
+        assert torch.allclose(found.features, fresh.features, atol=1e-4)
+        assert torch.allclose(found.log_p, fresh.log_p, atol=1e-4)
+        assert torch.equal(found.top, fresh.top)
+
+
+def test_a_target_whose_logits_are_not_its_output_layer_keeps_nothing_while_generating():
+    from distill.data import Example
+    from distill.rollouts import generate_target_rollouts
+
+    target = tiny_llama(97, 0, layers=4).requires_grad_(False)
+    forward = target.forward
+
+    def scaled(*args, **kwargs):  # a logit scale in the model's forward, as Cohere's and Granite's have
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * 0.5
+        return out
+
+    target.forward = scaled
+    cache = eagle3_train.TargetCache(target, 1.0, max_gb=1.0)
+    recorder = eagle3_train.GenerationRecorder(cache, [1, 2, 3])
+    examples = [Example(0, [5, 6, 7]), Example(1, [8, 9])]
+    generate_target_rollouts(
+        examples, target, None, max_new_tokens=6, temperature=0.0, eos_token_id=[], pad_token_id=0, recorder=recorder
+    )
+    assert cache.usable is False and len(cache) == 0

@@ -268,37 +268,62 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
             vocab=vocab_size,
         )
 
-    def pregenerate(source: rollouts.RolloutSource, timer: Timer, rollout_draft: torch.nn.Module | None) -> None:
+    def pregenerate(
+        source: rollouts.RolloutSource, timer: Timer, rollout_draft: torch.nn.Module | None, recorder: Any = None
+    ) -> None:
         """The target's continuations, generated before the first step on the training clock (source target/mix
         with the cache): a run is charged for every target forward it needs, as source=schedule's on-demand
-        target phase is."""
+        target phase is. `recorder`: an EAGLE-3 head's TargetCache filled as they are generated."""
         if recipe.distill.source not in ("target", "mix") or not recipe.distill.cache_rollouts:
             return
         with timer.running():
             made = source.pregenerate(
-                train_prompts, rollout_draft, accelerator=accelerator, batch_size=recipe.distill.pregenerate_batch_size
+                train_prompts,
+                rollout_draft,
+                accelerator=accelerator,
+                batch_size=recipe.distill.pregenerate_batch_size,
+                recorder=recorder,
             )
         if accelerator.is_main_process and made:
             total = len(source.cache) if source.cache is not None else made  # every process's, once all are done
             print(f"data: {total} target continuations in {timer.elapsed_s:.2f} s (on the training clock)")
+            if recorder is not None:
+                kept = len(recorder.cache)
+                note = f"({kept} of this process's {made})"
+                print(f"distill.cache_teacher: the target's states kept as it generated them {note}")
 
     def frequent_tokens(source: rollouts.RolloutSource, size: int) -> tuple[list[int], str]:
         """draft.vocab_subset: the `size` tokens most frequent in the training continuations, and where from."""
         cached = source.cache.completions() if source.cache is not None else []
         return draft_vocabulary(size, train_prompts, cached, vocab_size, source.eos_token_id)
 
+    # distill.cache_teacher: the target's side of sequences that come back in later epochs (a standalone draft's
+    # top-k teacher rows; a head's hidden states, kept as the target generates the continuations)
+    teachers = None
+    if recipe.distill.cache_teacher:
+        cfg = recipe.distill
+        teachers = (
+            eagle3_train.TargetCache(target, cfg.temperature, cfg.cache_teacher_gb)
+            if head_kind
+            else teacher_cache.TeacherCache(cfg.top_k, cfg.temperature, cfg.cache_teacher_gb)
+        )
     pregen = Timer(0.0)  # draft.kind=eagle3: its continuations are generated before the head is built
     if head_kind:
         source = make_source()
-        pregenerate(source, pregen, None)  # the target alone: a fresh head would not speed its generation up
+        # the target alone: a fresh head would not speed its generation up
+        aux = eagle3_train.planned_aux_layers(recipe, target)
+        recorder = None if teachers is None else eagle3_train.GenerationRecorder(teachers, aux)
+        pregenerate(source, pregen, None, recorder)
         ids, where = frequent_tokens(source, eagle3_train.vocab_size(recipe.draft.vocab_subset, vocab_size))
         # --resume: the newest checkpoint's head (its own vocabulary); a resume-only checkpoint holds no head, and
         # the vocabulary above, from the same cached continuations, is the one the run started with
         found = newest_checkpoint(ckpt_root) if args.resume else None
         head = eagle3_train.initial_head(recipe, target, ids, found[1] if found else None)
         if accelerator.is_main_process:
-            size, aux = len(head.draft_ids), head.aux_layers
-            print(f"eagle3 head: draft vocabulary of {size} of {vocab_size} tokens ({where}), aux layers {aux}")
+            size, layers = len(head.draft_ids), head.aux_layers
+            print(f"eagle3 head: draft vocabulary of {size} of {vocab_size} tokens ({where}), aux layers {layers}")
+        if teachers is not None and head.aux_layers != aux:
+            teachers.clear()  # draft.model's head reads other layers than those kept while generating
         draft = eagle3_train.Unrolled(head)
 
     # ---- optimizer
@@ -329,16 +354,6 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     metrics.log({"distributed": engine}, step=start_step)
     if not head_kind:
         source = make_source()
-    # distill.cache_teacher: the target's side of sequences that come back in later epochs (a standalone draft's
-    # top-k teacher rows; a head's hidden states)
-    teachers = None
-    if recipe.distill.cache_teacher:
-        cfg = recipe.distill
-        teachers = (
-            eagle3_train.TargetCache(target, cfg.temperature, cfg.cache_teacher_gb)
-            if head_kind
-            else teacher_cache.TeacherCache(cfg.top_k, cfg.temperature, cfg.cache_teacher_gb)
-        )
     timer = Timer(recipe.train.max_minutes, elapsed_s=state.train_s + pregen.elapsed_s)
     if not head_kind:
         pregenerate(source, timer, rollout_draft)
