@@ -204,8 +204,8 @@ class DistillConfig:
     cache_teacher: bool = _f(
         False,
         "keep the target's side of each target-generated or dataset sequence in memory (a standalone draft: its "
-        "top-k log-probabilities, distill.top_k; an EAGLE-3 head: its hidden states): when the sequence comes back "
-        "in a later epoch the step skips the target's forward",
+        "top-k log-probabilities, distill.top_k; an EAGLE-3 head: its hidden states, taken while the target "
+        "generates the continuations): when the sequence comes back the step skips the target's forward",
     )
     cache_teacher_gb: float = _f(
         8.0, "distill.cache_teacher: memory per process for kept sequences (GB); sequences past it are not kept"

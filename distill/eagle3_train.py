@@ -445,6 +445,8 @@ class TargetCache:
         found = [self._entries.get(k) for k in keys]
         if not self.usable or any(entry is None for entry in found):
             return None
+        if [e[0].shape[0] for e in found] != valid.sum(-1).tolist():
+            return None  # kept for other token positions than this batch has (cannot happen with sequence keys)
         device, (b, s) = valid.device, valid.shape
         feats, last, lse, top = (torch.cat([e[j] for e in found]).to(device) for j in range(4))
         rows = valid.flatten()
