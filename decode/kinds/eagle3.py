@@ -415,10 +415,11 @@ def save(head: Eagle3Head, directory: str | Path, dtype: torch.dtype | None = No
         if not name.startswith("embed_tokens.")
     }
     ids = head.draft_ids.cpu()
-    tensors["d2t"] = (ids - torch.arange(len(ids))).contiguous()
-    t2d = torch.zeros(head.vocab, dtype=torch.bool)
-    t2d[ids] = True
-    tensors["t2d"] = t2d
+    if len(ids) < head.vocab:  # vLLM has no d2t parameter for a head over the whole vocabulary, and refuses one
+        tensors["d2t"] = (ids - torch.arange(len(ids))).contiguous()
+        t2d = torch.zeros(head.vocab, dtype=torch.bool)
+        t2d[ids] = True
+        tensors["t2d"] = t2d
     config = served_config(head)
     config["torch_dtype"] = str(dtype).replace("torch.", "")
     save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
@@ -460,8 +461,15 @@ def load(directory: str | Path, target: nn.Module) -> Eagle3Head:
         config.eagle_aux_hidden_state_layer_ids, int(tc.num_hidden_layers)
     )
     tensors = load_file(str(directory / WEIGHTS))
-    draft_ids = (tensors.pop("d2t") + torch.arange(config.draft_vocab_size)).tolist()
+    d2t = tensors.pop("d2t", None)
     tensors.pop("t2d", None)
+    if d2t is None and int(config.draft_vocab_size) != int(config.vocab_size):
+        raise ValueError(
+            f"EAGLE-3 head {str(directory)!r} has a draft vocabulary of {config.draft_vocab_size} of "
+            f"{config.vocab_size} tokens but no d2t tensor mapping it to the target's ids: re-export the head"
+        )
+    offsets = torch.zeros(config.draft_vocab_size, dtype=torch.long) if d2t is None else d2t
+    draft_ids = (offsets + torch.arange(config.draft_vocab_size)).tolist()
     head = Eagle3Head(config, target.get_input_embeddings(), draft_ids)
     missing, unexpected = head.load_state_dict(tensors, strict=False)
     missing = [m for m in missing if not m.startswith("embed_tokens.")]
