@@ -2,7 +2,8 @@
 
 Each step the frozen target runs once on the batch's sequences with ``output_hidden_states=True``: its hidden
 states at the head's three aux layers are the head's features and its logits are the teacher, so nothing is
-cached on disk. The head is unrolled for ``distill.ttt_steps`` steps (the training-time test: steps after the
+cached on disk. With distill.cache_teacher they are kept in memory instead (:class:`TargetCache`), taken while
+the target generates the continuations (:class:`GenerationRecorder`), and a step runs the head alone. The head is unrolled for ``distill.ttt_steps`` steps (the training-time test: steps after the
 first read the head's own output, as in decoding); step k at position i is compared with the target's
 distribution at position i + k + 1, over the head's draft vocabulary plus one tail bucket (:func:`step_log_probs`).
 
@@ -343,17 +344,18 @@ class _FklTeacher:
         return self.constant[rows] - (self.p_inside[rows] * log_q).sum(-1)
 
 
-# ---------------------------------------------------------------- the target's side, kept for later epochs
+# ---------------------------------------------------------------- the target's side, kept for the steps
 
 
 class TargetCache:
-    """distill.cache_teacher for a head: the target's side of each training sequence, kept in memory, so that
-    when the sequence comes back in a later epoch the step runs the head alone.
+    """distill.cache_teacher for a head: the target's side of each training sequence, kept in memory (while the
+    target generates it, :class:`GenerationRecorder`, or on the first step that runs the target on it), so that
+    a step over kept sequences runs the head alone.
 
     Per real token it keeps the three aux hidden states and the last hidden state (the output layer's input) in
     the target's dtype, the log-sum-exp of its logits and its top token: the teacher's log-probabilities over the
     draft vocabulary are rebuilt from the last hidden state and the output layer's draft rows (Vd of its V rows).
-    SmolLM2-135M: 4.6 kB a token, 1.1 GB per process for the recipe's 2569 sequences on 2 processes. A target
+    SmolLM2-135M: 4.6 kB a token, 0.92 GB per process for the recipe's 3299 sequences on 2 processes. A target
     whose logits are not its output layer over that state (a scale, a soft cap beyond Gemma 2's) is found on the
     first batch: the cache then keeps nothing and every step runs the target. Rows past ``max_gb`` are not kept.
     """
