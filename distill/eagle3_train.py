@@ -3,8 +3,9 @@
 Each step the frozen target runs once on the batch's sequences with ``output_hidden_states=True``: its hidden
 states at the head's three aux layers are the head's features and its logits are the teacher, so nothing is
 cached on disk. With distill.cache_teacher they are kept in memory instead (:class:`TargetCache`), taken while
-the target generates the continuations (:class:`GenerationRecorder`), and a step runs the head alone. The head is unrolled for ``distill.ttt_steps`` steps (the training-time test: steps after the
-first read the head's own output, as in decoding); step k at position i is compared with the target's
+the target generates the continuations (:class:`GenerationRecorder`), and a step runs the head alone. The head
+is unrolled for ``distill.ttt_steps`` steps (the training-time test: steps after the first read the head's own
+output, as in decoding); step k at position i is compared with the target's
 distribution at position i + k + 1, over the head's draft vocabulary plus one tail bucket (:func:`step_log_probs`).
 
     model = Unrolled(head)                                    # what accelerate prepares (DDP wraps its forward)
