@@ -29,6 +29,7 @@ from decode.compat import text_config
 from decode.kinds import eagle3
 from distill import losses
 from distill.config import EAGLE3_VOCAB, DistillConfig, Recipe
+from distill.teacher_cache import sequence_key
 
 logger = logging.getLogger(__name__)
 
@@ -500,8 +501,6 @@ class GenerationRecorder:
 
     def finish(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> int:
         """Keep row i's states under ``sequence_key(prompts[i], completions[i])``; returns how many were kept."""
-        from distill.teacher_cache import sequence_key
-
         kept = 0
         for row, (prompt, completion) in enumerate(zip(prompts, completions)):
             parts = self._parts.get(row)
