@@ -352,7 +352,8 @@ def _drop_rows(
     stream: KVStream, rows: list[int], gone: list[int], tensor: torch.Tensor
 ) -> tuple[list[int], torch.Tensor]:
     """Rows ``gone`` (indices into ``rows``) leave the batch: the stream's cache, ``rows`` and ``tensor``'s rows."""
-    keep = [i for i in range(len(rows)) if i not in set(gone)]
+    gone_set = set(gone)
+    keep = [i for i in range(len(rows)) if i not in gone_set]
     if not keep:
         return [], tensor[:0]
     sel = torch.tensor(keep, dtype=torch.long)

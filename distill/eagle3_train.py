@@ -499,9 +499,8 @@ class GenerationRecorder:
             m = real[b].to(states.device)
             self._parts.setdefault(row, []).append((states[b, m].cpu(), lse[b, m].cpu(), top[b, m].cpu()))
 
-    def finish(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> int:
-        """Keep row i's states under ``sequence_key(prompts[i], completions[i])``; returns how many were kept."""
-        kept = 0
+    def finish(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> None:
+        """Keep row i's states under ``sequence_key(prompts[i], completions[i])``, then forget the batch."""
         for row, (prompt, completion) in enumerate(zip(prompts, completions)):
             parts = self._parts.get(row)
             if not parts:
@@ -510,8 +509,5 @@ class GenerationRecorder:
             if states.shape[0] != len(prompt) + len(completion):
                 continue  # not every position was seen (cannot happen with target_generate's observer)
             hidden = states.shape[-1] // len(self.layers)
-            before = len(self.cache)
             self.cache.put(sequence_key(prompt, completion), states[:, :-hidden], states[:, -hidden:], lse, top)
-            kept += len(self.cache) - before
         self._parts.clear()
-        return kept

@@ -310,10 +310,9 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     pregen = Timer(0.0)  # draft.kind=eagle3: its continuations are generated before the head is built
     if head_kind:
         source = make_source()
-        # the target alone: a fresh head would not speed its generation up
         aux = eagle3_train.planned_aux_layers(recipe, target)
         recorder = None if teachers is None else eagle3_train.GenerationRecorder(teachers, aux)
-        pregenerate(source, pregen, None, recorder)
+        pregenerate(source, pregen, None, recorder)  # the target alone: a fresh head would not speed it up
         ids, where = frequent_tokens(source, eagle3_train.vocab_size(recipe.draft.vocab_subset, vocab_size))
         # --resume: the newest checkpoint's head (its own vocabulary); a resume-only checkpoint holds no head, and
         # the vocabulary above, from the same cached continuations, is the one the run started with
