@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -63,6 +64,21 @@ def child_pids(pid: int) -> list[int]:
     """The direct children of process `pid`."""
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(c) for c in path.read_text().split()] if path.is_file() else []
+
+
+def wait_for_child(pid: int, marker: str, timeout_s: float) -> int:
+    """The pid of the first child of `pid` whose command line holds `marker`; fails if `pid` exits or
+    `timeout_s` passes first. Matching the command line skips short-lived helpers an import may spawn."""
+    deadline = time.time() + timeout_s
+    while True:
+        for child in child_pids(pid):
+            try:
+                if marker in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"):
+                    return child
+            except OSError:
+                continue  # it exited between the two reads
+        assert running(pid) and time.time() < deadline, f"no child running {marker} started"
+        time.sleep(0.05)
 
 
 def running(pid: int) -> bool:

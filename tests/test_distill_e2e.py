@@ -20,7 +20,7 @@ import yaml
 from distill.checkpoints import CheckpointInfo, select_best
 from distill.config import TrainConfig
 from distill.schedule import lr_multiplier
-from tests.procs import HAS_PROC, child_pids, running
+from tests.procs import HAS_PROC, running, wait_for_child
 from tests.tiny import make_pair, make_prompts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -246,11 +246,7 @@ def test_sigterm_during_the_quickstart_build_stops_it(assets, tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e, cwd=REPO)
     builder = None
     try:
-        deadline = time.time() + 120
-        while not child_pids(proc.pid):
-            assert proc.poll() is None and time.time() < deadline, "the quickstart build never started"
-            time.sleep(0.05)
-        (builder,) = child_pids(proc.pid)
+        builder = wait_for_child(proc.pid, "pretrain.py", timeout_s=120)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
         deadline = time.time() + 15

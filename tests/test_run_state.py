@@ -18,7 +18,7 @@ from distill.checkpoints import CheckpointInfo, beats, replace_dir, select_best,
 from distill.config import Recipe, RecipeError, load_recipe, save_recipe
 from distill.run_state import RUN_MARKER, RunState, check_resume_recipe, is_run_dir, prepare_output_dir
 from distill.training import Timer, eval_metrics
-from tests.procs import HAS_PROC, child_pids, load_script, running
+from tests.procs import HAS_PROC, load_script, running, wait_for_child
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -426,12 +426,8 @@ def test_sigterm_stops_the_pretraining_child(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", code, str(REPO), str(tmp_path / "cache")], env=env)
     child = None
     try:
-        deadline = time.time() + 60
-        while not child_pids(parent.pid):
-            assert parent.poll() is None and time.time() < deadline, "the build child never started"
-            time.sleep(0.05)
+        child = wait_for_child(parent.pid, "pretrain.py", timeout_s=60)
         time.sleep(0.5)  # the parent is waiting on its child now
-        (child,) = child_pids(parent.pid)
         parent.send_signal(signal.SIGTERM)
         parent.wait(timeout=30)
         deadline = time.time() + 15
