@@ -1,7 +1,7 @@
 """``python -m decode bench``: time draftsmith's speculative decoder against its baselines.
 
     python -m decode bench --target PATH_OR_ID --draft PATH_OR_ID --prompts FILE.jsonl \\
-        [--max-new-tokens 64] [--temperature 0] [--top-p 1.0] [--top-k 0] [--num-draft-tokens N|auto] \\
+        [--max-new-tokens 64] [--temperature 0] [--top-p 1.0] [--top-k 0] [--num-draft-tokens N|auto|tree:K,D,N] \\
         [--batch-size 1] [--limit N] [--repeats 3] [--seed 0] [--baselines target,hf] \\
         [--json OUT] [--plot OUT.png] [--samples-out OUT.jsonl] [--dtype float32] [--draft-dtype float32]
         [--device auto] [--engine draftsmith|vllm]
@@ -43,6 +43,13 @@ HF_CANNOT_RUN_EAGLE3 = (
 def _draft_tokens(value: str) -> int | str:
     if value == "auto":
         return "auto"
+    if value.startswith("tree"):
+        from decode.draft_length import parse_tree
+
+        try:
+            return str(parse_tree(value))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     try:
         n = int(value)
     except ValueError:
@@ -71,7 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--top-k", type=int, default=0)
-    b.add_argument("--num-draft-tokens", type=_draft_tokens, default=5, help="gamma, or 'auto' (adaptive)")
+    b.add_argument(
+        "--num-draft-tokens",
+        type=_draft_tokens,
+        default=5,
+        help="gamma, 'auto' (adaptive), or tree:TOPK,DEPTH,NODES (an EAGLE-3 head's greedy draft tree)",
+    )
     b.add_argument("--batch-size", type=int, default=1)
     b.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     b.add_argument("--repeats", type=int, default=3, help="timed repeats per method; the median counts")
@@ -210,6 +222,10 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
     from decode.kinds import eagle3
 
     head = eagle3.is_eagle3(args.draft)
+    if str(args.num_draft_tokens).startswith("tree:"):  # before any weights load
+        from decode.tree import check_tree
+
+        check_tree("eagle3" if head else "standalone", args.batch_size, args.temperature)
     baselines = default_baselines(args.baselines, head)
     target_tok, draft_tok, prompts = check_inputs(args)
     if head and args.draft_vocab not in ("auto", "full"):

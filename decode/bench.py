@@ -42,7 +42,7 @@ from transformers import GenerationConfig
 
 from decode import kernels
 from decode.compat import check_context, check_vocab_compatible
-from decode.draft_length import AutoDraftLength
+from decode.draft_length import AutoDraftLength, TreeShape, is_tree_spec, parse_tree
 from decode.draft_vocab import with_subset_head
 from decode.kinds import kind_of
 from decode.metrics import (
@@ -216,6 +216,8 @@ def _methods(baselines: Sequence[str], batch_size: int, same_kernels: bool) -> l
 
 def _published_gamma(num_draft_tokens: int | str, warm_up: SpecStats | None) -> int:
     """The gamma a published draft would carry: the fixed one, or under auto the mean used (as publishing does)."""
+    if is_tree_spec(num_draft_tokens):
+        return parse_tree(num_draft_tokens).depth  # HF runs no tree; what is published is a chain
     if num_draft_tokens != "auto":
         return int(num_draft_tokens)
     return max(1, round(warm_up.mean_num_draft_tokens if warm_up is not None else 1))
@@ -240,6 +242,8 @@ def _verify_sizes(controller) -> Iterator[int]:
     """Verify sizes (gamma + 1 tokens) to time: the fixed one, or under auto a cycle over every gamma."""
     if isinstance(controller, AutoDraftLength):
         return itertools.cycle(range(2, controller.max_gamma + 2))
+    if isinstance(controller, TreeShape):
+        return itertools.repeat(controller.nodes + 1)
     return itertools.repeat(controller.max_gamma + 1)
 
 
@@ -398,7 +402,9 @@ def run_bench(
     while meter.samples_taken < minimum:
         meter.sample([next(verify_sizes)])
     gamma = spec_stats.mean_num_draft_tokens
-    costs = meter.summary(spec_stats.gamma_used)
+    # A tree round drafts with `depth` head forwards but verifies all its nodes: v is costed at the nodes.
+    verified = [controller.nodes] * len(spec_stats.gamma_used) if isinstance(controller, TreeShape) else None
+    costs = meter.summary(spec_stats.gamma_used, verified)
     c, v = costs["c"], costs["v"]
     tau = spec_stats.mean_accepted_length
     theory = theoretical_speedup(tau, gamma, c, v)
@@ -518,7 +524,7 @@ def result_header(
         "top_p": top_p,
         "top_k": top_k,
         "batch_size": batch_size,
-        "num_draft_tokens": num_draft_tokens if num_draft_tokens == "auto" else int(num_draft_tokens),
+        "num_draft_tokens": num_draft_tokens if isinstance(num_draft_tokens, str) else int(num_draft_tokens),
     }
 
 

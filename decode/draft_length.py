@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import bisect
 import collections
+import re
 import statistics
+from dataclasses import dataclass
 
 import torch
 
@@ -166,3 +168,49 @@ class AutoDraftLength:
                 self._draft_times.append(draft_time / gamma)
             self._verify_times.setdefault(gamma, collections.deque(maxlen=64)).append(verify_time)
             self._rounds_log.append((sum(acc) / max(len(acc), 1) + 1.0, draft_time + verify_time))
+
+
+# A draft tree instead of a chain (decode.tree): its shape takes the place of gamma.
+TREE_SPEC = re.compile(r"tree:(\d+),(\d+),(\d+)")
+EXAMPLE = "tree:4,5,16"
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """TOPK children per expanded node and nodes expanded per depth, DEPTH head forwards per round, and the
+    NODES draft tokens the target verifies per round (SGLang: --speculative-eagle-topk, --speculative-num-steps,
+    --speculative-num-draft-tokens, the last counting the root)."""
+
+    topk: int
+    depth: int
+    nodes: int
+
+    @property
+    def max_gamma(self) -> int:
+        """The most draft tokens one round can accept: the tree's depth."""
+        return self.depth
+
+    def __str__(self) -> str:
+        return f"tree:{self.topk},{self.depth},{self.nodes}"
+
+
+def is_tree_spec(spec: object) -> bool:
+    return isinstance(spec, TreeShape) or (isinstance(spec, str) and spec.startswith("tree"))
+
+
+def parse_tree(spec: str | TreeShape) -> TreeShape:
+    """``"tree:TOPK,DEPTH,NODES"`` -> TreeShape; one ValueError naming the fix for anything else."""
+    if isinstance(spec, TreeShape):
+        shape = spec
+    else:
+        match = TREE_SPEC.fullmatch(spec.replace(" ", ""))
+        if match is None:
+            raise ValueError(f"num_draft_tokens {spec!r}: a draft tree is tree:TOPK,DEPTH,NODES, e.g. {EXAMPLE}")
+        shape = TreeShape(*(int(g) for g in match.groups()))
+    most = shape.topk + (shape.depth - 1) * shape.topk * shape.topk  # every node the head proposes
+    if min(shape.topk, shape.depth, shape.nodes) < 1 or shape.nodes > most:
+        raise ValueError(
+            f"num_draft_tokens {shape}: TOPK, DEPTH and NODES must be >= 1 and NODES at most TOPK + (DEPTH - 1) * "
+            f"TOPK^2 = {most} (what the head proposes), e.g. {EXAMPLE}"
+        )
+    return shape

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from decode.compat import model_name, sliding_window
+from decode.compat import model_name, sliding_window, text_config
 from decode.kernels import CpuLinears
 
 
@@ -133,6 +133,50 @@ class KVStream:
         features = None if layers is None else torch.cat([out.hidden_states[i] for i in layers], -1)
         return out.logits[:, -keep:, : self.vocab], features
 
+    def feed_tree(
+        self, ids: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor, layers: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch 1: append the n nodes of a token tree, ``ids`` [1, n], each attending to every cached token and
+        to the nodes ``ancestors`` [n, n] allows, at position ``length + depths`` [n]. Returns the logits of all n
+        and the hidden states at ``layers`` side by side (as ``feed_with_features``); :meth:`keep` commits a path.
+        """
+        assert ids.shape[0] == 1 and self.valid is None, "a token tree is fed one row at a time"
+        n = ids.shape[1]
+        ids = ids.to(self.device)
+        allowed = torch.cat([torch.ones(n, self.slots, dtype=torch.bool), ancestors.cpu()], 1).to(self.device)
+        positions = self.length[:, None] + depths.to(self.device)[None]  # [1, n]
+        mask = _additive(allowed, self.model)
+        if self.window is not None:
+            # Batch 1 has no holes: a cached slot's index is its position.
+            keys = torch.cat([torch.arange(self.slots, device=self.device), positions[0]])
+            windowed = _additive(allowed & (positions[0][:, None] - keys[None] < self.window), self.model)
+            types = getattr(text_config(self.model), "layer_types", None) or []
+            # Models mixing full and sliding layers take one mask per layer type; the others one mask.
+            mask = {"full_attention": mask, "sliding_attention": windowed} if "full_attention" in types else windowed
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=n,
+            output_hidden_states=True,
+            **{self.cache_kw: self.cache},
+        )
+        self.slots += n
+        self.forwards += 1
+        return out.logits[:, :, : self.vocab], torch.cat([out.hidden_states[i] for i in layers], -1)
+
+    def keep(self, num_new: int, kept: list[int]) -> None:
+        """Batch 1: of the last ``num_new`` slots keep only those at indices ``kept`` (ascending), in order."""
+        base = self.slots - num_new
+        index = torch.tensor(kept, dtype=torch.long, device=self.device) + base
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                states = getattr(layer, name)  # [1, heads, slots, dim]
+                setattr(layer, name, torch.cat([states[:, :, :base], states.index_select(2, index)], 2))
+        self.slots = base + len(kept)
+        self.length += len(kept)
+
     def rollback(self, num_new: int, keep: torch.Tensor, keep_list: list[int]) -> None:
         """Of the last ``num_new`` slots (all real), keep the first ``keep[b]`` for row b.
 
@@ -181,6 +225,14 @@ class KVStream:
                 setattr(layer, name, states.gather(2, index))
         self.valid = self.valid.gather(1, idx)
         self.slots = width
+
+
+def _additive(allowed: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """[q, k] bool -> [1, 1, q, k] additive mask in the model's dtype: SDPA and eager attention read it alike."""
+    dtype = next(model.parameters()).dtype
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 @contextlib.contextmanager

@@ -126,16 +126,17 @@ class ForwardCostMeter:
             for q in verify_sizes:
                 self.verify.setdefault(q, []).append(self._forward("target", q))
 
-    def summary(self, gammas: list[int]) -> dict:
+    def summary(self, gammas: list[int], verified: list[int] | None = None) -> dict:
         """c, v and the medians (ms), given the draft length of every decoding round.
 
         v is the mean over rounds of (verify time of that round's g + 1 tokens) / (1-token time): verify time is
         not linear in the token count on every machine (with MKL on CPU, 4 rows are cheaper than 3), so a
         varying draft length (``auto``) is costed round by round. Sizes that were not sampled are interpolated.
+        ``verified``: draft tokens each round verified where that differs from its draft length (a tree).
         """
         t1 = statistics.median(self.samples["target"])
         medians = {1: t1, **{q: statistics.median(ts) for q, ts in self.verify.items()}}
-        counts = collections.Counter(gammas)
+        counts = collections.Counter(gammas if verified is None else verified)
         total = sum(counts.values()) or 1
         v = sum(n * _interpolate(medians, g + 1) for g, n in counts.items()) / total / t1
         verify_ms = {q: t * 1e3 for q, t in sorted(medians.items()) if q > 1}

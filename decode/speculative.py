@@ -31,13 +31,13 @@ from torch import nn
 
 from decode import acceptance
 from decode.compat import check_context, logits_width
-from decode.draft_length import AutoDraftLength, FixedDraftLength
+from decode.draft_length import AutoDraftLength, FixedDraftLength, TreeShape, is_tree_spec, parse_tree
 from decode.kinds import Verified, drafter_for
 from decode.kinds.standalone import all_real
 from decode.kv_stream import KVStream, decoding
 from decode.sampling import process_logits, sample, validate_sampling
 
-DraftLength = FixedDraftLength | AutoDraftLength
+DraftLength = FixedDraftLength | AutoDraftLength | TreeShape
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -174,10 +174,12 @@ def _pack(input_ids: torch.Tensor, new_tokens: list[list[int]], pad_id: int) -> 
 
 
 def _draft_length(num_draft_tokens, draft_cost_ratio: float | None) -> DraftLength:
-    if isinstance(num_draft_tokens, (FixedDraftLength, AutoDraftLength)):
+    if isinstance(num_draft_tokens, (FixedDraftLength, AutoDraftLength, TreeShape)):
         return num_draft_tokens
     if num_draft_tokens == "auto":
         return AutoDraftLength(draft_cost_ratio=draft_cost_ratio)
+    if is_tree_spec(num_draft_tokens):
+        return parse_tree(num_draft_tokens)
     if isinstance(num_draft_tokens, str):
         if not num_draft_tokens.isdigit():
             raise ValueError(f"num_draft_tokens must be an int >= 1 or 'auto', got {num_draft_tokens!r}")
@@ -234,9 +236,17 @@ def speculative_generate(
     vocab = _cut_width(vocab, target, draft)  # callers check tokenizers: check_vocab_compatible
     check_context({"target": target, "draft": draft}, int(prompt_mask.sum(1).max()), max_new_tokens)
     controller = _draft_length(num_draft_tokens, draft_cost_ratio)
+    batch = input_ids.shape[0]
+    if isinstance(controller, TreeShape):
+        from decode import tree  # imports this module's emitter and counters
+
+        tree.check_tree(draft, batch, temperature)
+        return tree.tree_generate(
+            target, draft, input_ids, prompt_mask, shape=controller, max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id, stop_strings=stop_strings, tokenizer=tokenizer, vocab=vocab,
+        )  # fmt: skip
     eos = _eos_ids(target, eos_token_id)
     greedy = temperature == 0
-    batch = input_ids.shape[0]
     emitter = _Emitter(batch, max_new_tokens, eos, stop_strings, tokenizer)
     stats = SpecStats()
 

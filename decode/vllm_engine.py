@@ -463,7 +463,7 @@ def run_vllm_bench(
         raise ValueError("repeats and batch_size must be >= 1")
     if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool):
         raise ValueError(
-            f"--engine vllm needs a fixed --num-draft-tokens (an int; vLLM has no adaptive draft length), "
+            f"--engine vllm needs a fixed --num-draft-tokens (an int: vLLM has no adaptive draft length or tree), "
             f"got {num_draft_tokens!r}"
         )
     try:

@@ -249,9 +249,17 @@ def vllm_spec(repo_id: str, gamma: int) -> str:
     return json.dumps({"method": "draft_model", "model": repo_id, "num_speculative_tokens": gamma})
 
 
-def eagle3_usage(target: str, repo_id: str, gamma: int) -> list[str]:
-    """Launch lines for an EAGLE-3 head: vLLM's ``method: eagle3`` and SGLang's EAGLE3; no HF assisted generation."""
+def eagle3_usage(target: str, repo_id: str, gamma: int, tree: str | None = None) -> list[str]:
+    """Launch lines for an EAGLE-3 head: vLLM's ``method: eagle3`` and SGLang's EAGLE3; no HF assisted generation.
+
+    ``tree``: the ``tree:TOPK,DEPTH,NODES`` the figures were measured with, if any: SGLang and draftsmith then
+    draft that tree; vLLM drafts a chain of ``gamma`` (the tree's depth).
+    """
     spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": gamma})
+    topk, steps, verified, draftsmith = 1, gamma, gamma + 1, str(gamma)
+    if tree is not None:
+        topk, steps, nodes = (int(x) for x in tree.split(":", 1)[1].split(","))
+        verified, draftsmith = nodes + 1, tree  # SGLang counts the root among its draft tokens
     return [
         "## Usage",
         "",
@@ -265,15 +273,15 @@ def eagle3_usage(target: str, repo_id: str, gamma: int) -> list[str]:
         "",
         "```bash",
         f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\",
-        f"    --speculative-draft-model-path {repo_id} --speculative-num-steps {gamma} \\",
-        f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}",
+        f"    --speculative-draft-model-path {repo_id} --speculative-num-steps {steps} \\",
+        f"    --speculative-eagle-topk {topk} --speculative-num-draft-tokens {verified}",
         "```",
         "",
         "draftsmith's own decoder:",
         "",
         "```bash",
         f"python -m decode bench --target {target} --draft {repo_id} --prompts PROMPTS.jsonl "
-        f"--num-draft-tokens {gamma}",
+        f"--num-draft-tokens {draftsmith}",
         "```",
         "",
     ]
@@ -349,7 +357,11 @@ def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) 
         "",
     ]
     lines += _figures(info)
-    lines += [""] + (eagle3_usage if eagle3 else _usage)(target, repo_id, gamma)
+    if eagle3:
+        spec = best.get("num_draft_tokens")
+        lines += [""] + eagle3_usage(target, repo_id, gamma, spec if str(spec).startswith("tree:") else None)
+    else:
+        lines += [""] + _usage(target, repo_id, gamma)
     prompts_file = info["prompts"] if str(info["prompts"]).endswith(".jsonl") else "PROMPTS.jsonl"
     lines += [
         "## Reproduce",

@@ -316,7 +316,9 @@ class EvalConfig:
     temperature: float = _f(0.0, "0 = greedy; >0 samples (lossless either way)")
     top_p: float = _f(1.0, "nucleus sampling for eval decoding")
     top_k: int = _f(0, "top-k sampling for eval decoding (0: off)")
-    num_draft_tokens: int | str = _f(4, "gamma, or 'auto'")
+    num_draft_tokens: int | str = _f(
+        4, "gamma, 'auto', or tree:TOPK,DEPTH,NODES (draft.kind=eagle3, greedy, batch 1: decode/tree.py)"
+    )
     batch_size: int = _f(1, "eval decoding batch size")
     repeats: int = _f(
         3,
@@ -337,11 +339,30 @@ class EvalConfig:
             _check(name in ENGINES, "eval.extra_engines", f"unknown engine {name!r}; choose from {valid}")
         _check(self.num_prompts > 0, "eval.num_prompts", "must be > 0")
         _check(self.temperature >= 0, "eval.temperature", "must be >= 0")
-        _check(
-            self.num_draft_tokens == "auto" or (isinstance(self.num_draft_tokens, int) and self.num_draft_tokens > 0),
-            "eval.num_draft_tokens",
-            f"must be a positive int or 'auto', got {self.num_draft_tokens!r}",
-        )
+        if isinstance(self.num_draft_tokens, str) and self.num_draft_tokens.startswith("tree"):
+            from decode.draft_length import parse_tree  # torch: only for a recipe that asks for a tree
+
+            try:
+                self.num_draft_tokens = str(parse_tree(self.num_draft_tokens))
+            except ValueError as e:
+                raise RecipeError(f"eval.num_draft_tokens: {e}") from None
+            _check(
+                self.temperature == 0 and self.batch_size == 1,
+                "eval.num_draft_tokens",
+                "a draft tree decodes greedily, one prompt at a time: set eval.temperature=0 and eval.batch_size=1",
+            )
+            _check(
+                self.engine == "draftsmith" and not self.extra_engines,
+                "eval.num_draft_tokens",
+                "vLLM measures chains: use an int gamma with eval.engine=vllm or eval.extra_engines",
+            )
+        else:
+            _check(
+                self.num_draft_tokens == "auto"
+                or (isinstance(self.num_draft_tokens, int) and self.num_draft_tokens > 0),
+                "eval.num_draft_tokens",
+                f"must be a positive int, 'auto' or tree:TOPK,DEPTH,NODES, got {self.num_draft_tokens!r}",
+            )
         _check(self.keep_top_k > 0, "eval.keep_top_k", "must be > 0")
 
 
@@ -390,6 +411,7 @@ class Recipe:
                 "distill.cache_teacher",
                 "keeps the teacher's top-k log-probabilities: set distill.top_k (e.g. 64) or cache_teacher=false",
             )
+        _check_tree_eval(self)
         if self.draft.kind == "eagle3":
             _check_eagle3(self)
         elif self.distill.loss_vocab == "subset":
@@ -439,6 +461,17 @@ def _check_eagle3(recipe: Recipe) -> None:
         key,
         "eagle3's head is one layer: set train.gradient_checkpointing=false",
     )
+
+
+def _check_tree_eval(recipe: Recipe) -> None:
+    """A draft tree in the evaluations needs a head to grow it."""
+    spec = recipe.eval.num_draft_tokens
+    if isinstance(spec, str) and spec.startswith("tree"):
+        _check(
+            recipe.draft.kind == "eagle3",
+            "eval.num_draft_tokens",
+            f"{spec} is an EAGLE-3 head's draft tree; a standalone draft drafts a chain: use an int gamma or 'auto'",
+        )
 
 
 # ---------------------------------------------------------------- pretraining (train/pretrain.py)

@@ -437,7 +437,7 @@ class TargetCache:
         self, key: bytes, features: torch.Tensor, last: torch.Tensor, lse: torch.Tensor, top: torch.Tensor
     ) -> None:
         """Keep one sequence's target side, [n, ...] per real token, unless it is kept already or past max_gb."""
-        entry = (features.detach().cpu(), last.detach().cpu(), lse.detach().cpu(), top.to("cpu", torch.int32))
+        entry = (_owned(features), _owned(last), _owned(lse), top.to("cpu", torch.int32))
         size = sum(t.numel() * t.element_size() for t in entry)
         if key in self._entries or self.nbytes + size > self.max_bytes:
             return
@@ -464,6 +464,14 @@ class TargetCache:
         top_all = torch.zeros(b * s, dtype=torch.long, device=device)
         top_all[rows] = top.long()
         return TargetSide(features.view(b, s, -1), log_p.view(b, s, -1), top_all.view(b, s), computed=0)
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU in storage of its own: a row view of a batch tensor would keep the whole batch (its
+    padding too) alive for as long as the entry."""
+    t = t.detach().cpu()
+    whole = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone()
 
 
 class GenerationRecorder:

@@ -70,7 +70,9 @@ def test_unknown_section(tmp_path):
         ("train.lr=fast", "train.lr: expected a number"),
         ("distill.loss=jds", "did you mean 'jsd'"),
         ("distill.beta=1.5", r"distill.beta: must be in \[0, 1\]"),
-        ("eval.num_draft_tokens=0", "positive int or 'auto'"),
+        ("eval.num_draft_tokens=0", r"positive int, 'auto' or tree:TOPK,DEPTH,NODES"),
+        ("eval.num_draft_tokens=tree:4,5", "e.g. tree:4,5,16"),
+        ("eval.num_draft_tokens=tree:4,5,16", "an EAGLE-3 head's draft tree; a standalone draft drafts a chain"),
         ("distill.num_draft_tokens=-1", r"int >= 0 \(0: the target alone\) or 'auto'"),
         ("train.batch_size=0", "train.batch_size: must be > 0"),
         ("distill.pregenerate_batch_size=0", "distill.pregenerate_batch_size: must be > 0"),
@@ -82,6 +84,18 @@ def test_bad_values_give_one_line_errors(override, pattern):
     with pytest.raises(RecipeError, match=pattern) as err:
         load_recipe(None, [override])
     assert "\n" not in str(err.value)
+
+
+def test_an_eagle3_recipe_may_evaluate_with_a_draft_tree():
+    recipe = load_recipe(None, ["draft.kind=eagle3", "eval.num_draft_tokens=tree:3, 4, 8", "eval.hf_assisted=false"])
+    assert recipe.eval.num_draft_tokens == "tree:3,4,8"
+    for extra, message in [
+        ("eval.temperature=0.8", "decodes greedily, one prompt at a time"),
+        ("eval.batch_size=4", "decodes greedily, one prompt at a time"),
+        ("eval.extra_engines=[vllm]", "vLLM measures chains"),
+    ]:
+        with pytest.raises(RecipeError, match=message):
+            load_recipe(None, ["draft.kind=eagle3", "eval.num_draft_tokens=tree:3,4,8", extra])
 
 
 def test_both_quantizations_rejected():

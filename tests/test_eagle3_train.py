@@ -232,12 +232,15 @@ def test_two_processes_train_one_head_from_hidden_states_kept_while_generating(a
         out,
         distill={"cache_teacher": True},
         train={"batch_size": 2, "max_steps": 14},  # 40 prompts, 2 per process a step: epoch 2 from step 11
-        eval={"every": 14, "at_start": False},
+        eval={"every": 14, "at_start": False, "num_draft_tokens": "tree:2,3,4"},
     )
     proc = launch(write_recipe(tmp_path, recipe), processes=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["world_size"] == 2 and report["base"] is None  # eval.at_start=false: no step-0 evaluation
+    # the evaluation drafted a tree, losslessly (a float32 target)
+    best = report["best"]
+    assert best["num_draft_tokens"] == "tree:2,3,4" and best["outputs_match_target"] is True
     assert [c["step"] for c in report["checkpoints"]] == [14]
     a, b = report["param_checksums"]
     assert a == b
@@ -345,6 +348,9 @@ def test_rows_past_the_memory_bound_are_not_kept():
     keys = [sequence_key(*p) for p in pairs]
     eagle3_train.step_loss(model, target, batch, DistillConfig(), cache=cache, keys=keys)
     assert len(cache) == 1 and cache.nbytes == one_row
+    # What is counted is what is held: the kept rows own their storage, not views of the batch (its padding).
+    held = sum(t.untyped_storage().nbytes() for entry in cache._entries.values() for t in entry)
+    assert held == one_row
     _, stats = eagle3_train.step_loss(model, target, batch, DistillConfig(), cache=cache, keys=keys)
     assert stats["train/teacher_forwards"] == 2.0  # a batch is read back only when every row is kept
 

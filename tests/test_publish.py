@@ -842,3 +842,14 @@ def test_eagle3_head_is_published_as_served(eagle3_run, tmp_path):
     info = json.loads((out / "draftsmith_eval.json").read_text())
     assert info["draft_kind"] == "eagle3" and info["best"]["acceptance_rate"] == BEST["acceptance_rate"]
     assert f"{BEST['acceptance_rate']:.3f}" in card
+
+
+def test_an_eagle3_card_measured_with_a_tree_gives_the_tree_launch_lines():
+    """SGLang and draftsmith draft the measured tree (SGLang counts the root among its draft tokens); vLLM drafts a
+    chain as deep as the tree."""
+    from distill.card import eagle3_usage
+
+    text = "\n".join(eagle3_usage("org/target", "me/head", 4, "tree:3,4,8"))
+    assert "--speculative-num-steps 4 \\" in text
+    assert "--speculative-eagle-topk 3 --speculative-num-draft-tokens 9" in text
+    assert '"num_speculative_tokens": 4' in text and "--num-draft-tokens tree:3,4,8" in text

@@ -234,7 +234,8 @@ def test_vllm_engine_rejects_auto_draft_length(tmp_path, padded_pair):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        "error: --engine vllm needs a fixed --num-draft-tokens (an int; vLLM has no adaptive draft length), got 'auto'"
+        "error: --engine vllm needs a fixed --num-draft-tokens (an int: vLLM has no adaptive draft length or tree), "
+        "got 'auto'"
     )
 
 

@@ -187,12 +187,45 @@ class Eagle3Head(nn.Module):
             valid: [B, q] bool, False on holes (left of real entries); None = all real.
         """
         x, residual = self._layer_in(ids, hidden, fused)
-        cos, sin = self.rotary(x, position_ids)
         attn_mod = self.midlayer.self_attn
-        q, k, v = attn_mod.qkv(x, cos, sin)
+        q, k, v = attn_mod.qkv(x, *self.rotary(x, position_ids))
         keys, values, mask = cache.append(k, v, valid)
         attn = F.scaled_dot_product_attention(q, attn_mod.expand(keys), attn_mod.expand(values), attn_mask=mask)
         return self._layer_out(attn, residual)
+
+    def tree_step(
+        self,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Eagle3Cache,
+        tree_kv: tuple[torch.Tensor, torch.Tensor] | None,
+        tree_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """m nodes of a draft tree (one batch row), fed as chain steps are (``fused=False``) but appended nowhere:
+        each attends to every cache entry and to the tree entries ``tree_mask`` allows.
+
+        Args:
+            ids: [1, m] each node's token; hidden: [1, m, H] its parent's pre-norm output.
+            tree_kv: keys and values [1, kv_heads, t, d] of the t tree nodes fed before (None: none yet).
+            tree_mask: [m, t + m] bool, True where node i may attend to tree entry j (its ancestors and itself).
+
+        Returns:
+            (draft logits [1, m, Vd], pre-norm hidden [1, m, H], tree keys and values with these m appended).
+        """
+        x, residual = self._layer_in(ids, hidden, fused=False)
+        attn_mod = self.midlayer.self_attn
+        q, k, v = attn_mod.qkv(x, *self.rotary(x, position_ids))
+        if tree_kv is not None:
+            k, v = torch.cat([tree_kv[0], k], 2), torch.cat([tree_kv[1], v], 2)
+        m = ids.shape[1]
+        committed = cache.valid[:, None, None, :].expand(-1, 1, m, -1)
+        mask = torch.cat([committed, tree_mask[None, None].to(committed.device)], -1)
+        keys = k if cache.keys is None else torch.cat([cache.keys, k], 2)
+        values = v if cache.values is None else torch.cat([cache.values, v], 2)
+        attn = F.scaled_dot_product_attention(q, attn_mod.expand(keys), attn_mod.expand(values), attn_mask=mask)
+        logits, prenorm = self._layer_out(attn, residual)
+        return logits, prenorm, (k, v)
 
     def unrolled(
         self,
