@@ -114,6 +114,13 @@ class KVStream:
             self.valid = torch.cat([self.valid, valid], 1)
             mask = self.valid.long()
             self.length += valid.sum(1)
+        return self._run(ids, mask, position_ids, keep, layers)
+
+    def _run(
+        self, ids: torch.Tensor, mask, position_ids: torch.Tensor, keep: int, layers: Sequence[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward appending ``ids`` [B, q] to the cache: the logits of the last ``keep`` inputs, and the hidden
+        states at ``layers`` side by side (None without layers)."""
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -123,7 +130,7 @@ class KVStream:
             **({"output_hidden_states": True} if layers is not None else {}),
             **{self.cache_kw: self.cache},
         )
-        self.slots += q
+        self.slots += ids.shape[1]
         if self.forwards == 0 and self.cache.get_seq_length() == 0:
             raise RuntimeError(
                 f"{model_name(self.model)} ignored the KV cache passed as {self.cache_kw}= (its forward takes the "
@@ -153,18 +160,7 @@ class KVStream:
             types = getattr(text_config(self.model), "layer_types", None) or []
             # Models mixing full and sliding layers take one mask per layer type; the others one mask.
             mask = {"full_attention": mask, "sliding_attention": windowed} if "full_attention" in types else windowed
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=n,
-            output_hidden_states=True,
-            **{self.cache_kw: self.cache},
-        )
-        self.slots += n
-        self.forwards += 1
-        return out.logits[:, :, : self.vocab], torch.cat([out.hidden_states[i] for i in layers], -1)
+        return self._run(ids, mask, positions, n, layers)
 
     def keep(self, num_new: int, kept: list[int]) -> None:
         """Batch 1: of the last ``num_new`` slots keep only those at indices ``kept`` (ascending), in order."""

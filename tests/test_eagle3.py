@@ -275,19 +275,25 @@ def test_bad_heads_and_layer_ids(tmp_path, llama_pair):
 # ---------------------------------------------------------------------------------------------------------------
 # The bench and its CLI
 # ---------------------------------------------------------------------------------------------------------------
-def test_bench_cli_measures_an_eagle3_head_and_refuses_hf(tmp_path, llama_pair):
-    from decode.__main__ import main
+def bench_argv(tmp_path, target, head, num_prompts: int, *extra: str) -> list[str]:
+    """`decode bench` arguments for the pair saved under tmp_path (the target with a character tokenizer), float32,
+    one repeat, over ``num_prompts`` 20-character prompts."""
     from tests.tiny import char_tokenizer, make_prompts
 
-    target, head = llama_pair
     target.save_pretrained(tmp_path / "target")
     char_tokenizer().save_pretrained(tmp_path / "target")
     eagle3.save(head, tmp_path / "head")
-    prompts = make_prompts(tmp_path / "p.jsonl", 3, chars=20)
+    prompts = make_prompts(tmp_path / "p.jsonl", num_prompts, chars=20)
+    return ["bench", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "head"),
+            "--prompts", str(prompts), "--repeats", "1", "--dtype", "float32", "--no-progress", *extra]  # fmt: skip
+
+
+def test_bench_cli_measures_an_eagle3_head_and_refuses_hf(tmp_path, llama_pair):
+    from decode.__main__ import main
+
+    target, head = llama_pair
     out = tmp_path / "bench.json"
-    argv = ["bench", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "head"),
-            "--prompts", str(prompts), "--max-new-tokens", "16", "--repeats", "1", "--dtype", "float32",
-            "--num-draft-tokens", "3", "--no-progress"]  # fmt: skip
+    argv = bench_argv(tmp_path, target, head, 3, "--max-new-tokens", "16", "--num-draft-tokens", "3")
     assert main([*argv, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["draft_kind"] == "eagle3" and result["draft_vocab_size"] == len(head.draft_ids)

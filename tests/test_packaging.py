@@ -57,6 +57,14 @@ def test_wheel_lacks_the_checkout_files_and_the_quickstart_says_so(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("draftsmith-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "distill/pretraining.py" in names and "decode/__main__.py" in names
+    # every subpackage too (pyproject lists packages one by one)
+    packages = {
+        p.parent.relative_to(REPO).as_posix()
+        for top in ("distill", "decode")
+        for p in (REPO / top).rglob("__init__.py")
+    }
+    shipped = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
+    assert packages <= shipped, f"packages the wheel lacks: {sorted(packages - shipped)}"
     assert not [n for n in names if n.startswith(("recipes/", "train/"))]
 
     site = tmp_path / "site"

@@ -10,7 +10,7 @@ from decode.draft_length import TreeShape, parse_tree
 from decode.kv_stream import KVStream, decoding
 from decode.speculative import speculative_generate, target_generate
 from decode.tree import DraftTree, accepted_path, ancestor_mask, best_nodes
-from tests.test_eagle3 import EAGLE_ARCHS, fit_head, tiny_target
+from tests.test_eagle3 import EAGLE_ARCHS, bench_argv, fit_head, tiny_target
 from tests.tiny import CHAR_VOCAB
 
 
@@ -145,18 +145,10 @@ def test_bench_cli_measures_a_tree(tmp_path, llama_pair, capsys):
     import json
 
     from decode.__main__ import main
-    from decode.kinds import eagle3
-    from tests.tiny import char_tokenizer, make_prompts
 
     target, head = llama_pair
-    target.save_pretrained(tmp_path / "target")
-    char_tokenizer().save_pretrained(tmp_path / "target")
-    eagle3.save(head, tmp_path / "head")
-    prompts = make_prompts(tmp_path / "p.jsonl", 2, chars=20)
     out = tmp_path / "bench.json"
-    argv = ["bench", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "head"),
-            "--prompts", str(prompts), "--max-new-tokens", "12", "--repeats", "1", "--dtype", "float32",
-            "--baselines", "target", "--no-progress"]  # fmt: skip
+    argv = bench_argv(tmp_path, target, head, 2, "--max-new-tokens", "12", "--baselines", "target")
     assert main([*argv, "--num-draft-tokens", "tree:2,3,4", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["num_draft_tokens"] == "tree:2,3,4" and result["outputs_match_target"] is True
