@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: the decoder bench (bf16 target, and a 4-bit NF4 target), a short distillation with one evaluation,
-# a short EAGLE-3 head training on the same target, and a 2-process distillation when 2 GPUs are present; one
-# summary table at the end. Under 8 minutes on one
-# recent GPU (about 5 with the built models on one H100/H200-class card).
+# a short EAGLE-3 head training on the same target and a bench of that head's draft tree, and a 2-process
+# distillation when 2 GPUs are present; one summary table at the end. Under 8 minutes on one recent GPU (about 5
+# with the built models on one H100/H200-class card).
 #
 #   bash bench/gpu_check.sh                       # random-init Llama pair: ~300M target, ~30M draft
 #   PAIR=DIR bash bench/gpu_check.sh              # a real pair instead: DIR/target and DIR/draft
@@ -137,6 +137,13 @@ eagle3_args=(--recipe recipes/stdlib-30m_eagle3.yaml --overwrite
     log.report_to=none log.every=5)
 timed eagle3_1gpu python train/distill.py "${eagle3_args[@]}" output_dir="$OUT/eagle3_1gpu"
 
+# ---- 3c. that head drafting a tree (tree:4,5,16): what verifying 17 tokens costs on this GPU (v), beside the
+# chain measured in 3b
+timed bench_tree python -m decode bench --target "$TARGET" --draft "$OUT/eagle3_1gpu/best" \
+    --prompts "$EVAL_PROMPTS" --limit "$LIMIT" --repeats "$REPEATS" --max-new-tokens 64 \
+    --num-draft-tokens tree:4,5,16 --baselines target --dtype bfloat16 --device cuda --no-progress \
+    --json "$OUT/bench_tree.json"
+
 # ---- 4. the same run on 2 processes (DDP), when 2 GPUs are present
 if (( N_GPUS >= 2 )); then
     timed distill_2gpu accelerate launch --multi_gpu --num_processes 2 train/distill.py "${distill_args[@]}" \
@@ -173,10 +180,11 @@ print(f"\n{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}, torch {
 print("| run | acceptance | tau | c | v | tok/s spec | tok/s target | tok/s HF assisted | vs target | "
       "greedy = target | notes | wall s |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-for name in ("bench_bf16", "bench_nf4"):
+for name in ("bench_bf16", "bench_nf4", "bench_tree"):
     r = json.loads((out / f"{name}.json").read_text())
     mem = r.get("max_memory_allocated_mib")
-    print(row(name, r, f"{r['dtype']} target, peak {mem:.0f} MiB" if mem else f"{r['dtype']} target"))
+    note = f"{r['dtype']} target, peak {mem:.0f} MiB" if mem else f"{r['dtype']} target"
+    print(row(name, r, note if name != "bench_tree" else f"EAGLE-3 head of eagle3_1gpu, {r['num_draft_tokens']}"))
 for name in ("distill_1gpu", "eagle3_1gpu", "distill_2gpu"):
     report = out / name / "report.json"
     if not report.is_file():
