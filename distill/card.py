@@ -15,6 +15,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from decode.draft_length import is_tree_spec, parse_tree
 from decode.draft_vocab import MAX_MASS
 from distill.hub import is_hub_id
 
@@ -258,8 +259,9 @@ def eagle3_usage(target: str, repo_id: str, gamma: int, tree: str | None = None)
     spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": gamma})
     topk, steps, verified, draftsmith = 1, gamma, gamma + 1, str(gamma)
     if tree is not None:
-        topk, steps, nodes = (int(x) for x in tree.split(":", 1)[1].split(","))
-        verified, draftsmith = nodes + 1, tree  # SGLang counts the root among its draft tokens
+        shape = parse_tree(tree)
+        topk, steps = shape.topk, shape.depth
+        verified, draftsmith = shape.nodes + 1, str(shape)  # SGLang counts the root among its draft tokens
     return [
         "## Usage",
         "",
@@ -359,7 +361,7 @@ def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) 
     lines += _figures(info)
     if eagle3:
         spec = best.get("num_draft_tokens")
-        lines += [""] + eagle3_usage(target, repo_id, gamma, spec if str(spec).startswith("tree:") else None)
+        lines += [""] + eagle3_usage(target, repo_id, gamma, spec if is_tree_spec(spec) else None)
     else:
         lines += [""] + _usage(target, repo_id, gamma)
     prompts_file = info["prompts"] if str(info["prompts"]).endswith(".jsonl") else "PROMPTS.jsonl"
