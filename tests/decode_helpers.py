@@ -91,6 +91,37 @@ def bigram_sequence_probs(table: torch.Tensor, first: int, n: int, process) -> t
     return probs
 
 
+def model_sequence_probs(model: nn.Module, prompt: torch.Tensor, n: int, temperature: float) -> torch.Tensor:
+    """Exact probability of every length-n continuation of ``prompt`` [1, P] under an LM over a tiny vocabulary.
+
+    Returns ``[V] * n`` probabilities (flattened index = sequence in base V, V = the model's vocabulary).
+    """
+    vocab = model.config.vocab_size
+    seqs = torch.cartesian_prod(*[torch.arange(vocab)] * n).reshape(-1, n)  # [V ** n, n]
+    ids = torch.cat([prompt.expand(len(seqs), -1), seqs], 1)
+    with torch.no_grad():
+        logp = (model(ids).logits[:, prompt.shape[1] - 1 : -1].float() / temperature).log_softmax(-1)
+    return logp.gather(-1, seqs[..., None]).squeeze(-1).sum(-1).exp()
+
+
+def chi_square_p_value(sequences: list[list[int]], expected: torch.Tensor, vocab: int) -> float:
+    """Pearson chi-square goodness of fit of sampled sequences (all of one length n) to ``expected`` [vocab ** n].
+
+    Outcomes of probability 0 (cut by top-k / top-p) must never occur (p-value 0 if one does).
+    """
+    n = len(sequences[0])
+    index = torch.tensor([sum(t * vocab ** (n - 1 - i) for i, t in enumerate(seq)) for seq in sequences])
+    observed = torch.bincount(index, minlength=vocab**n).double()
+    support = expected > 0
+    if observed[~support].sum() > 0:
+        return 0.0
+    exp = expected.double()[support] * len(sequences)
+    stat = ((observed[support] - exp) ** 2 / exp).sum()
+    dof = support.sum().double() - 1
+    # Chi-square survival function: 1 - P(dof/2, stat/2), P the regularized lower incomplete gamma.
+    return float(torch.special.gammaincc(dof / 2, stat / 2))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Batches and references
 # ---------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import decode.acceptance as acceptance
 from decode.acceptance import accept_greedy, accept_sampled
 from decode.sampling import process_logits
 from decode.speculative import speculative_generate, target_generate
-from tests.decode_helpers import bigram_lm, bigram_sequence_probs
+from tests.decode_helpers import bigram_lm, bigram_sequence_probs, chi_square_p_value
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -74,23 +74,6 @@ def _tables() -> tuple[torch.Tensor, torch.Tensor]:
     return target, draft
 
 
-def _chi_square_p_value(sequences: list[list[int]], expected: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit of the sampled sequences to ``expected`` ``[V**NEW]``.
-
-    Outcomes of probability 0 (cut by top-k / top-p) must never occur (p-value 0 if one does).
-    """
-    index = torch.tensor([sum(t * V ** (NEW - 1 - i) for i, t in enumerate(seq)) for seq in sequences])
-    observed = torch.bincount(index, minlength=V**NEW).double()
-    support = expected > 0
-    if observed[~support].sum() > 0:
-        return 0.0
-    exp = expected.double()[support] * len(sequences)
-    stat = ((observed[support] - exp) ** 2 / exp).sum()
-    dof = support.sum().double() - 1
-    # Chi-square survival function: 1 - P(dof/2, stat/2), P the regularized lower incomplete gamma.
-    return float(torch.special.gammaincc(dof / 2, stat / 2))
-
-
 def _sample_speculative(temperature: float, top_k: int, top_p: float, gamma: int, seed: int = 0) -> float:
     """p-value of ROWS speculative samples of NEW tokens against the exact target distribution."""
     target_table, draft_table = _tables()
@@ -108,7 +91,7 @@ def _sample_speculative(temperature: float, top_k: int, top_p: float, gamma: int
         generator=torch.Generator().manual_seed(seed),
     )
     expected = bigram_sequence_probs(target_table, FIRST, NEW, lambda x: process_logits(x, temperature, top_k, top_p))
-    return _chi_square_p_value(out.new_tokens, expected)
+    return chi_square_p_value(out.new_tokens, expected, V)
 
 
 @pytest.mark.parametrize(
@@ -129,7 +112,7 @@ def test_target_only_sampling_follows_target_distribution():
         generator=torch.Generator().manual_seed(0),
     )
     expected = bigram_sequence_probs(target_table, FIRST, NEW, lambda x: process_logits(x, 1.0))
-    assert _chi_square_p_value(out.new_tokens, expected) > ALPHA
+    assert chi_square_p_value(out.new_tokens, expected, V) > ALPHA
 
 
 def _accept_always(draft_tokens, q, p, generator=None):

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from decode.kinds import eagle3, kind_of
 from decode.speculative import speculative_generate, target_generate
-from tests.decode_helpers import left_pad
+from tests.decode_helpers import chi_square_p_value, left_pad, model_sequence_probs
 from tests.tiny import CHAR_VOCAB, tiny_config
 
 EAGLE_ARCHS = ("llama", "qwen2", "mistral", "gemma2")
@@ -156,23 +156,6 @@ SV, NEW, ROWS = 4, 4, 8000
 ALPHA = 1e-4
 
 
-def _sequence_probs(target, prompt: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Exact probability of every NEW-token continuation of ``prompt`` [1, P] under the target, [SV ** NEW]."""
-    seqs = torch.cartesian_prod(*[torch.arange(SV)] * NEW)  # [SV ** NEW, NEW]
-    ids = torch.cat([prompt.expand(len(seqs), -1), seqs], 1)
-    with torch.no_grad():
-        logp = (target(ids).logits[:, prompt.shape[1] - 1 : -1] / temperature).log_softmax(-1)
-    return logp.gather(-1, seqs[..., None]).squeeze(-1).sum(-1).exp()
-
-
-def _p_value(sequences: list[list[int]], expected: torch.Tensor) -> float:
-    index = torch.tensor([sum(t * SV ** (NEW - 1 - i) for i, t in enumerate(s)) for s in sequences])
-    observed = torch.bincount(index, minlength=SV**NEW).double()
-    exp = expected.double() * len(sequences)
-    stat = ((observed - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor((SV**NEW - 1) / 2), stat / 2))
-
-
 def _sampled_p_value(temperature: float) -> tuple[float, object]:
     target = tiny_target("llama", vocab=SV, layers=4, seed=1)
     with torch.no_grad():  # sharper target: the draft's q differs from p, and rejections happen
@@ -186,7 +169,8 @@ def _sampled_p_value(temperature: float) -> tuple[float, object]:
         target, head, prompt.expand(ROWS, -1), max_new_tokens=NEW, num_draft_tokens=2, temperature=temperature,
         eos_token_id=[], generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
-    return _p_value(out.new_tokens, _sequence_probs(target, prompt, temperature)), out.stats
+    expected = model_sequence_probs(target, prompt, NEW, temperature)
+    return chi_square_p_value(out.new_tokens, expected, SV), out.stats
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

