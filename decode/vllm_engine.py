@@ -425,10 +425,14 @@ def expand_batch_to_tokens(
 
 def repair_cpu_sampling() -> list[str]:
     """Replace vLLM's ``expand_batch_to_tokens`` by :func:`expand_batch_to_tokens` if the installed one is wrong
-    (raises, or returns anything but the expansion) on a probe; return the names replaced ([] = none)."""
+    (raises, or returns anything but the expansion) on a probe; return the names replaced ([] = none, also for a
+    vLLM without that module)."""
     import torch
-    from vllm.v1.sample import rejection_sampler
 
+    try:
+        from vllm.v1.sample import rejection_sampler
+    except ImportError:
+        return []
     x, cu = torch.tensor([0.5, 2.0]), torch.tensor([2, 3], dtype=torch.int32)
     try:
         right = rejection_sampler.expand_batch_to_tokens(x, cu, 3).tolist() == [0.5, 0.5, 2.0]
