@@ -213,6 +213,12 @@ def _figures(info: dict) -> list[str]:
             "",
         ]
         lines += _table([("this draft", ev)])
+        patches = ev.get("engine_patches") or []
+        if patches:
+            lines.append(
+                f"- {engine_name} {version} computes {', '.join(f'`{p}`' for p in patches)} wrong on this hardware; "
+                "draftsmith measured it with the same computation written in torch in its place"
+            )
     if info.get("checkpoints"):
         lines += ["", "Evaluations during training:", "", "| step | speedup vs target | acceptance rate | loss |"]
         lines.append("|---|---|---|---|")

@@ -582,7 +582,8 @@ def test_license_and_hub_datasets_in_metadata(run_dir, tmp_path):
 
 
 def test_card_states_every_engine(run_dir, tmp_path):
-    """eval.json (draftsmith, with HF assisted as defaults and as published) and eval_vllm.json both reach the card."""
+    """eval.json (draftsmith, with HF assisted as defaults and as published) and eval_vllm.json both reach the card,
+    with the vLLM functions its bench replaced."""
     from huggingface_hub import ModelCard
 
     ckpt = tmp_path / "run" / "best"
@@ -601,7 +602,8 @@ def test_card_states_every_engine(run_dir, tmp_path):
         "hf_assisted_settings": settings,
     }
     (ckpt / "eval.json").write_text(json.dumps(ev))
-    vllm = {**BEST, "engine": "vllm", "engine_version": "0.11.0", "acceptance_rate": 0.61, "hardware": "1 x H200"}
+    vllm = {**BEST, "engine": "vllm", "engine_version": "0.11.0", "acceptance_rate": 0.61, "hardware": "1 x H200",
+            "engine_patches": ["vllm.v1.sample.rejection_sampler.expand_batch_to_tokens"]}  # fmt: skip
     vllm["speedup"] = {"vs_target": 2.41, "vs_hf_assisted": None}
     (ckpt / "eval_vllm.json").write_text(json.dumps(vllm))
     out = Path(pub.publish(ckpt, REPO_ID, dry_run_dir=tmp_path / "out"))
@@ -619,6 +621,7 @@ def test_card_states_every_engine(run_dir, tmp_path):
         and "measured by vllm 0.11.0" in card
         and "| speedup vs target-only decoding | 2.41x |" in card
     )
+    assert "- vllm 0.11.0 computes `vllm.v1.sample.rejection_sampler.expand_batch_to_tokens` wrong" in card
     figures = {
         (r.metric_config, r.metric_name): r.metric_value for r in ModelCard.load(out / "README.md").data.eval_results
     }
