@@ -100,7 +100,8 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from decode.bench import load_prompts, run_bench
+from decode.bench import run_bench
+from decode.prompts import load_prompts
 from distill.config import ModelConfig, QuantConfig
 from distill.models import load_target, load_tokenizer
 
@@ -123,16 +124,16 @@ PY
 # ---- 3. a short distillation (on-policy FKL) with evaluations at step 0 and at the end, one process
 distill_args=(--recipe recipes/stdlib-30m_stdlib-3.7m_full_greedy.yaml --overwrite
     target.model="$TARGET" draft.model="$DRAFT" data.train_prompts="$TRAIN_PROMPTS" data.eval_prompts="$EVAL_PROMPTS"
-    train.max_steps="$STEPS" train.max_minutes=0 train.warmup_steps=2 train.batch_size=8 eval.every="$STEPS"
+    train.max_steps="$STEPS" train.max_minutes=0 train.schedule_by=steps train.warmup_steps=2 train.batch_size=8 eval.every="$STEPS"
     eval.num_prompts=4 eval.max_new_tokens=32 eval.num_draft_tokens="$GAMMA" distill.max_new_tokens=32
     log.report_to=none log.every=5)
 timed distill_1gpu python train/distill.py "${distill_args[@]}" output_dir="$OUT/distill_1gpu"
 
 # ---- 3b. an EAGLE-3 head on the same target (draft.kind=eagle3): the target's hidden states every step, the
 # head's chain drafting in the evaluations
-eagle3_args=(--recipe recipes/stdlib-30m_eagle3.yaml --overwrite
+eagle3_args=(--recipe recipes/stdlib-30m_eagle3.yaml --overwrite data.max_train_prompts=$((STEPS * 8))
     target.model="$TARGET" data.train_prompts="$TRAIN_PROMPTS" data.eval_prompts="$EVAL_PROMPTS"
-    train.max_steps="$STEPS" train.max_minutes=0 train.warmup_steps=2 train.batch_size=8 eval.every="$STEPS"
+    train.max_steps="$STEPS" train.max_minutes=0 train.schedule_by=steps train.warmup_steps=2 train.batch_size=8 eval.every="$STEPS"
     eval.num_prompts=4 eval.max_new_tokens=32 eval.num_draft_tokens="$GAMMA" distill.max_new_tokens=32
     log.report_to=none log.every=5)
 timed eagle3_1gpu python train/distill.py "${eagle3_args[@]}" output_dir="$OUT/eagle3_1gpu"
