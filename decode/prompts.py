@@ -4,9 +4,11 @@
     ids = encode_prompts(tokenizer, rows)                     # one list of token ids per row
     batches = make_batches(ids, batch_size=4, pad_id=0)       # [(input_ids [B, L], attention_mask [B, L])]
 
-A row is ``{"prompt": str}`` (raw text) or ``{"messages": [{"role", "content"}, ...]}`` (chat: the tokenizer's chat
-template is applied with ``add_generation_prompt=True``); other keys (``id``, ``source``) are kept. A final
-assistant message is the row's reference completion, never part of the prompt. Text the chat template rendered
+A row is ``{"prompt": str}`` (raw text), ``{"messages": [{"role", "content"}, ...]}`` (chat, OpenAI style: the
+tokenizer's chat template is applied with ``add_generation_prompt=True``) or ``{"conversations": [{"from", "value"},
+...]}`` (ShareGPT style, read as ``messages``: human -> user, gpt -> assistant); other keys (``id``, ``source``) are
+kept. A final assistant message is the row's reference completion, never part of the prompt; a conversation with
+several assistant turns is one prompt per turn (:func:`expand_turns`). Text the chat template rendered
 already holds its special tokens, so none are added to it when tokenising; raw text gets the tokenizer's usual
 ones (a leading BOS, say).
 """
@@ -21,14 +23,44 @@ from typing import Any
 
 import torch
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------------------------------
+# ShareGPT speakers ("from") and the chat roles they are read as; OpenAI-style role names are accepted there too
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+    "bing": "assistant", "bard": "assistant", "system": "system", "tool": "tool",
+}  # fmt: skip
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _unknown_roles(roles: Sequence[str], known: Sequence[str], where: str, field: str) -> None:
+    unknown = sorted({r for r in roles if r not in known})
+    if unknown:
+        found = ", ".join(repr(r) for r in unknown)
+        raise ValueError(f"{where}: unknown {field} {found} (known: {', '.join(known)}); rename them in the data")
+
+
+def from_sharegpt(row: dict, where: str) -> dict:
+    """A ShareGPT row (``conversations``: ``[{"from", "value"}]``) as a ``messages`` row; its other keys kept."""
+    turns = row["conversations"]
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"{where}: 'conversations' must be a non-empty list of {{'from', 'value'}} objects")
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or not isinstance(t.get("from"), str) or not isinstance(t.get("value"), str):
+            raise ValueError(f"{where}: conversations[{i}] must be an object with string 'from' and 'value'")
+    _unknown_roles([t["from"] for t in turns], list(SHAREGPT_ROLES), where, "speaker(s) ('from')")
+    messages = [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
+    return {**{k: v for k, v in row.items() if k != "conversations"}, "messages": messages}
+
+
 def check_row(row: Any, where: str, prompt_field: str = "prompt") -> dict:
-    """Validate one row of the prompt format; ``where`` ('file:line', 'dataset row i') starts the error line."""
+    """Validate one row of the prompt format (a ShareGPT row comes back as a ``messages`` row); ``where``
+    ('file:line', 'dataset row i') starts the error line."""
     if not isinstance(row, dict):
         raise ValueError(f'{where}: expected a JSON object like {{"{prompt_field}": ...}}, got {type(row).__name__}')
+    if row.get("messages") is None and row.get("conversations") is not None:
+        row = from_sharegpt(row, where)
     messages = row.get("messages")
     if messages is not None:
         if not isinstance(messages, list) or not messages:
@@ -36,14 +68,38 @@ def check_row(row: Any, where: str, prompt_field: str = "prompt") -> dict:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+        _unknown_roles([m["role"] for m in messages], CHAT_ROLES, where, "role(s)")
         return row
     if not isinstance(row.get(prompt_field), str):
         keys = ", ".join(sorted(map(str, row))) or "none"
         raise ValueError(
-            f'{where}: needs "{prompt_field}" (a string) or "messages" (a list of role/content objects); '
-            f"keys found: {keys}"
+            f'{where}: needs "{prompt_field}" (a string), "messages" (a list of role/content objects) or '
+            f'"conversations" (a list of from/value objects); keys found: {keys}'
         )
     return row
+
+
+def expand_turns(rows: Sequence[dict]) -> list[dict]:
+    """One prompt per assistant turn: a chat row with several assistant messages becomes one row per assistant
+    message (the conversation up to and including it: that turn is the reference completion, the target answers
+    in its place when it generates), plus the whole conversation when it ends with another role. Earlier
+    assistant turns stay in the context as written. Other rows come back unchanged; each new row keeps the row's
+    keys, its ``id`` suffixed ``-turnN`` (N from 1)."""
+    out: list[dict] = []
+    for row in rows:
+        messages = row.get("messages") or []
+        ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
+        if messages and messages[-1]["role"] != "assistant":
+            ends.append(len(messages))
+        if len(ends) <= 1:
+            out.append(row)
+            continue
+        for n, end in enumerate(ends, 1):
+            turn = {**row, "messages": messages[:end]}
+            if "id" in row:
+                turn["id"] = f"{row['id']}-turn{n}"
+            out.append(turn)
+    return out
 
 
 def jsonl_text(rows: Sequence[dict]) -> str:
@@ -81,13 +137,14 @@ def read_jsonl(path: str | Path, prompt_field: str = "prompt") -> list[dict]:
 
 
 def load_prompts(path: str | Path, tokenizer: Any = None) -> list[dict]:
-    """The bench's prompt file: :func:`read_jsonl`, each row with an ``id`` (``<file stem>-<n>`` when it has none).
+    """The bench's prompt file: :func:`read_jsonl`, one prompt per assistant turn (:func:`expand_turns`), each row
+    with an ``id`` (``<file stem>-<n>`` when it has none).
 
     With ``tokenizer``, chat rows also get ``"prompt"``: their rendering by its chat template (required), for
     display and samples.
     """
     path = Path(path)
-    rows = read_jsonl(path)
+    rows = expand_turns(read_jsonl(path))
     for n, row in enumerate(rows):
         row.setdefault("id", f"{path.stem}-{n}")
         if tokenizer is not None and row.get("messages"):

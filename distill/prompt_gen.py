@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from decode.prompts import jsonl_text, write_jsonl
+from decode.prompts import expand_turns, jsonl_text, write_jsonl
 from decode.speculative import target_generate
 from distill import data
 from distill.config import DataConfig
@@ -313,6 +313,7 @@ def load_train_eval(
     """(train rows, eval rows) for `data`: generated when `train_prompts` is `generate:...`, else distill.data's.
 
     Eval rows are `data.eval_prompts` when set, else the content-hash split (`data.eval_split`) of the rows;
+    a multi-turn conversation then becomes one prompt per assistant turn (decode.prompts.expand_turns), and
     training rows equal to an eval row are dropped either way. Chat rows need the target's chat template. With
     `accelerator` and generated prompts, every process must call it: they sample the Magpie prompts together.
     """
@@ -335,6 +336,8 @@ def load_train_eval(
                 write_eval_file(evals, heldout_path(cfg, target_name, cache_dir, seed))
         if cfg.max_train_prompts:
             train = train[: cfg.max_train_prompts]
+    # a conversation is split into train/eval whole, then into one prompt per assistant turn
+    train, evals = expand_turns(train), expand_turns(evals)
     train = without_overlap(train, evals)
     check_chat_rows(train + evals, tokenizer, cfg)
     return train, evals

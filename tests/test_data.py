@@ -9,6 +9,7 @@ from conftest import DEV_PROMPTS, TRAIN_PROMPTS
 from transformers import PreTrainedTokenizerFast
 
 from decode.prompts import read_jsonl, render_prompt
+from distill import prompt_gen
 from distill.config import DataConfig
 from distill.data import (
     collate_prompts,
@@ -139,6 +140,87 @@ def test_load_train_eval(tmp_path):
     assert len(t) == 18 and len(e) == 2
     with pytest.raises(ValueError, match="eval_split is 0"):
         load_train_eval(DataConfig(train_prompts=str(train), eval_split=0.0))
+
+
+SHAREGPT = {
+    "id": "c1",
+    "conversations": [
+        {"from": "system", "value": "Be terse."},
+        {"from": "human", "value": "hello"},
+        {"from": "gpt", "value": "world"},
+        {"from": "human", "value": "again"},
+        {"from": "gpt", "value": "earth"},
+    ],
+}
+
+
+def test_sharegpt_rows_read_as_messages_one_prompt_per_assistant_turn(tmp_path):
+    """ShareGPT (`conversations`, from/value) trains with no conversion: each assistant turn is a prompt of its own
+    (the conversation up to it), in the bench and in training alike."""
+    from decode.prompts import encode_prompts, expand_turns, load_prompts
+
+    f = _write(tmp_path / "chats.jsonl", [json.dumps(SHAREGPT), json.dumps({"prompt": "def f(x):"})])
+    rows = read_jsonl(f)
+    assert rows[0]["messages"][:3] == [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "world"},
+    ]
+    assert "conversations" not in rows[0] and rows[0]["id"] == "c1"
+    turns = expand_turns(rows)
+    assert [r.get("id") for r in turns] == ["c1-turn1", "c1-turn2", None]
+    assert [len(r["messages"]) for r in turns[:2]] == [3, 5]
+    tok = tiny_tokenizer(chat=True)
+    # each turn's prompt ends where that assistant turn starts; its reference completion is that turn
+    assert render_prompt(turns[0], tok)[0] == "<s><|system|>Be terse.<|end|><|user|>hello<|end|><|assistant|>"
+    assert render_prompt(turns[1], tok)[0].endswith("<|assistant|>world<|end|><|user|>again<|end|><|assistant|>")
+    assert [render_completion(r, tok) for r in turns[:2]] == ["world<|end|>", "earth<|end|>"]
+    bench = load_prompts(f, tokenizer=tok)
+    assert [r["id"] for r in bench] == ["c1-turn1", "c1-turn2", "chats-2"]
+    other = _write(tmp_path / "eval.jsonl", [json.dumps({"prompt": "hello world"})])
+    cfg = DataConfig(train_prompts=str(f), eval_prompts=str(other))
+    train, _ = prompt_gen.load_train_eval(cfg, None, tok, target_name="t", cache_dir=tmp_path, seed=0)
+    assert [r.get("id") for r in train] == ["c1-turn1", "c1-turn2", None]
+    assert encode_prompts(tok, bench) == [e.prompt_ids for e in encode_examples(train, tok, DataConfig())]
+
+
+def test_conversation_with_a_trailing_user_turn_and_openai_messages():
+    """A multi-turn `messages` row (OpenAI style) expands the same way; a conversation ending with a user turn
+    keeps that last prompt too (a traffic log's open question); single-turn rows are left as they are."""
+    from decode.prompts import expand_turns
+
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    turns = expand_turns([{"messages": chat}, {"messages": chat[:2]}, {"prompt": "x"}])
+    assert [len(r["messages"]) for r in turns[:2]] == [2, 3]
+    assert turns[2:] == [{"messages": chat[:2]}, {"prompt": "x"}]
+
+
+@pytest.mark.parametrize(
+    "row,match",
+    [
+        ({"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "yo"}]},
+         r"chats.jsonl:1: unknown speaker\(s\) \('from'\) 'bot' \(known: human, user, gpt"),
+        ({"conversations": [{"from": "human", "text": "hi"}]}, r"conversations\[0\] must be an object with string"),
+        ({"conversations": []}, r"'conversations' must be a non-empty list"),
+        ({"messages": [{"role": "narrator", "content": "x"}, {"role": "critic", "content": "y"}]},
+         r"unknown role\(s\) 'critic', 'narrator' \(known: system, developer, user, assistant, tool\)"),
+    ],
+    ids=["unknown-speaker", "no-value", "empty", "unknown-role"],
+)  # fmt: skip
+def test_bad_conversations_are_one_line_naming_what_was_found(tmp_path, row, match):
+    f = _write(tmp_path / "chats.jsonl", [json.dumps(row)])
+    with pytest.raises(ValueError, match=match) as e:
+        read_jsonl(f)
+    assert "\n" not in str(e.value)
+
+
+def test_sharegpt_dataset_rows(tmp_path):
+    """A `datasets` table in ShareGPT form (as many Hub conversation sets are) loads the same way."""
+    import datasets
+
+    datasets.Dataset.from_list([SHAREGPT, SHAREGPT | {"id": "c2"}]).save_to_disk(str(tmp_path / "ds"))
+    rows = load_rows(str(tmp_path / "ds"))
+    assert [m["role"] for m in rows[1]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
 
 
 @pytest.mark.shared
