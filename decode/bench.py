@@ -55,8 +55,9 @@ from decode.metrics import (
     sync,
     theoretical_speedup,
 )
+from decode.output import SpecStats
 from decode.prompts import encode_prompts, make_batches
-from decode.speculative import SpecStats, _draft_length, speculative_generate, target_generate
+from decode.speculative import _draft_length, speculative_generate, target_generate
 
 METHODS = (
     "speculative",

@@ -19,7 +19,7 @@ from torch import nn
 
 from decode.kinds import cost_stream
 from decode.kv_stream import decoding
-from decode.speculative import SpecStats
+from decode.output import SpecStats
 
 
 def expected_tokens_per_round(a: float, gamma: float) -> float:

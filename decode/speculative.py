@@ -17,140 +17,28 @@ hidden states of the verify pass (it drafts nothing in the first round: it needs
 Batch rows accept different numbers of tokens: each model's cache is a ``decode.kv_stream.KVStream``, one
 physical KV cache for the batch with per-row holes, so every row decodes as if alone. Finished rows leave the
 batch. The acceptance rules are pure functions in ``decode.acceptance``; vocabulary and context checks live in
-``decode.compat``. This module holds the loops: ``speculative_generate`` and the target-only ``target_generate``.
+``decode.compat``; what a call returns and when a row stops in ``decode.output``. This module holds the loops:
+``speculative_generate`` and the target-only ``target_generate`` (draft trees: ``decode.tree``).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from decode import acceptance
+from decode import acceptance, tree
 from decode.compat import check_context, logits_width
 from decode.draft_length import AutoDraftLength, FixedDraftLength, TreeShape, is_tree_spec, parse_tree
 from decode.kinds import Verified, drafter_for
 from decode.kinds.standalone import all_real
 from decode.kv_stream import KVStream, decoding
+from decode.output import Emitter, SpecOutput, SpecStats, eos_ids, pack
 from decode.sampling import process_logits, sample, validate_sampling
 
 DraftLength = FixedDraftLength | AutoDraftLength | TreeShape
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Results
-# ---------------------------------------------------------------------------------------------------------------
-@dataclass
-class SpecStats:
-    """Counters of one or more decoding calls (``merge`` adds another call's counters).
-
-    Per-row counts: a batch of 4 in one round adds 4 * gamma to ``drafted`` and 4 to ``row_rounds``.
-    """
-
-    drafted: int = 0  # draft tokens proposed (and judged by the target)
-    accepted: int = 0  # of those, accepted
-    rounds: int = 0  # loop iterations; each is exactly one target forward
-    target_forwards: int = 0
-    draft_forwards: int = 0
-    row_rounds: int = 0  # sum over rounds of the rows still decoding (denominator of tau)
-    new_tokens: int = 0  # tokens emitted, all rows (after EOS / budget / stop-string truncation)
-    per_position_drafted: list[int] = field(default_factory=list)  # [i]: rows whose draft reached position i
-    per_position_accepted: list[int] = field(default_factory=list)  # [i]: of those, accepted at position i
-    gamma_used: list[int] = field(default_factory=list)  # draft length of every round
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """tau: tokens emitted per row per target forward."""
-        return self.new_tokens / self.row_rounds if self.row_rounds else 0.0
-
-    @property
-    def per_position_acceptance(self) -> list[float]:
-        """P(draft token i accepted | tokens < i accepted)."""
-        return [a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)]
-
-    @property
-    def mean_num_draft_tokens(self) -> float:
-        return sum(self.gamma_used) / len(self.gamma_used) if self.gamma_used else 0.0
-
-    def merge(self, other: SpecStats) -> None:
-        for name in ("drafted", "accepted", "rounds", "target_forwards", "draft_forwards", "row_rounds", "new_tokens"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.per_position_drafted = _add_lists(self.per_position_drafted, other.per_position_drafted)
-        self.per_position_accepted = _add_lists(self.per_position_accepted, other.per_position_accepted)
-        self.gamma_used.extend(other.gamma_used)
-
-
-def _add_lists(a: list[int], b: list[int]) -> list[int]:
-    n = max(len(a), len(b))
-    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
-
-
-@dataclass
-class SpecOutput:
-    sequences: torch.Tensor  # [batch, prompt_len + max new] left-padded prompt + new tokens, right-padded with pad
-    new_tokens: list[list[int]]  # per row: generated ids, EOS included if hit, nothing after
-    stats: SpecStats
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Emission / stopping
-# ---------------------------------------------------------------------------------------------------------------
-def _eos_ids(model: nn.Module, eos_token_id) -> set[int]:
-    if eos_token_id is None:
-        gen_config = getattr(model, "generation_config", None)
-        eos_token_id = getattr(gen_config, "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
-    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id}
-
-
-class _Emitter:
-    """Collects each row's new tokens and decides when a row is done (EOS, budget, stop string)."""
-
-    def __init__(self, batch: int, max_new_tokens: int, eos: set[int], stop_strings, tokenizer):
-        if stop_strings and tokenizer is None:
-            raise ValueError("stop_strings needs a tokenizer")
-        self.out: list[list[int]] = [[] for _ in range(batch)]
-        self.max_new = max_new_tokens
-        self.eos = eos
-        self.stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
-        self.tokenizer = tokenizer
-        # Tokens to decode when looking for a stop string ending in the newest tokens.
-        self.window = max((len(s) for s in self.stops), default=0) + 8
-
-    def emit(self, row: int, tokens: list[int]) -> bool:
-        """Append ``tokens`` to ``row``, truncated at EOS / budget / stop string; True when the row is done."""
-        out = self.out[row]
-        start = len(out)
-        done = False
-        for tok in tokens:
-            out.append(tok)
-            if tok in self.eos or len(out) >= self.max_new:
-                done = True
-                break
-        if self.stops:
-            cut = self._stop_cut(out, start)
-            if cut is not None:
-                del out[cut:]
-                done = True
-        return done
-
-    def _stop_cut(self, out: list[int], start: int) -> int | None:
-        for k in range(start + 1, len(out) + 1):
-            text = self.tokenizer.decode(out[max(0, k - self.window) : k])
-            if any(s in text for s in self.stops):
-                return k
-        return None
-
-    def remaining(self, row: int) -> int:
-        return self.max_new - len(self.out[row])
 
 
 def _prepare_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,14 +51,6 @@ def _prepare_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if input_ids.shape[1] == 0 or bool((attention_mask.sum(1) == 0).any()):
         raise ValueError("every prompt needs at least one token")
     return input_ids, attention_mask.bool()
-
-
-def _pack(input_ids: torch.Tensor, new_tokens: list[list[int]], pad_id: int) -> torch.Tensor:
-    width = max((len(t) for t in new_tokens), default=0)
-    tail = torch.full((len(new_tokens), width), pad_id, dtype=input_ids.dtype)
-    for b, toks in enumerate(new_tokens):
-        tail[b, : len(toks)] = torch.tensor(toks, dtype=input_ids.dtype)
-    return torch.cat([input_ids.cpu(), tail], 1)
 
 
 def _draft_length(num_draft_tokens, draft_cost_ratio: float | None) -> DraftLength:
@@ -238,16 +118,14 @@ def speculative_generate(
     controller = _draft_length(num_draft_tokens, draft_cost_ratio)
     batch = input_ids.shape[0]
     if isinstance(controller, TreeShape):
-        from decode import tree  # imports this module's emitter and counters
-
         tree.check_tree(draft, batch, temperature)
         return tree.tree_generate(
             target, draft, input_ids, prompt_mask, shape=controller, max_new_tokens=max_new_tokens,
             eos_token_id=eos_token_id, stop_strings=stop_strings, tokenizer=tokenizer, vocab=vocab,
         )  # fmt: skip
-    eos = _eos_ids(target, eos_token_id)
+    eos = eos_ids(target, eos_token_id)
     greedy = temperature == 0
-    emitter = _Emitter(batch, max_new_tokens, eos, stop_strings, tokenizer)
+    emitter = Emitter(batch, max_new_tokens, eos, stop_strings, tokenizer)
     stats = SpecStats()
 
     def proc(logits: torch.Tensor) -> torch.Tensor:
@@ -318,7 +196,7 @@ def speculative_generate(
         stats.draft_forwards = drafter.forwards
 
     pad = min(eos) if eos else 0
-    return SpecOutput(sequences=_pack(input_ids, emitter.out, pad), new_tokens=emitter.out, stats=stats)
+    return SpecOutput(sequences=pack(input_ids, emitter.out, pad), new_tokens=emitter.out, stats=stats)
 
 
 def _count_round(stats: SpecStats, g: int, accepted: list[int], live_rows: int) -> None:
@@ -405,7 +283,7 @@ def target_generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     input_ids, prompt_mask = _prepare_inputs(input_ids, attention_mask)
     check_context({"target": target}, int(prompt_mask.sum(1).max()), max_new_tokens)
-    emitter = _Emitter(input_ids.shape[0], max_new_tokens, _eos_ids(target, eos_token_id), None, None)
+    emitter = Emitter(input_ids.shape[0], max_new_tokens, eos_ids(target, eos_token_id), None, None)
     stats = SpecStats()
     with decoding(target):
         stream = KVStream(target, input_ids.shape[0], _cut_width(vocab, target))
@@ -439,7 +317,7 @@ def target_generate(
             elif done:
                 rows, ids = _drop_rows(stream, rows, done, ids)
         stats.target_forwards = stream.forwards
-    eos = _eos_ids(target, eos_token_id)
+    eos = eos_ids(target, eos_token_id)
     return SpecOutput(
-        sequences=_pack(input_ids, emitter.out, min(eos) if eos else 0), new_tokens=emitter.out, stats=stats
+        sequences=pack(input_ids, emitter.out, min(eos) if eos else 0), new_tokens=emitter.out, stats=stats
     )

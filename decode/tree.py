@@ -28,7 +28,7 @@ from torch import nn
 from decode.draft_length import TreeShape
 from decode.kinds import Verified, eagle3, kind_of
 from decode.kv_stream import KVStream, decoding
-from decode.speculative import SpecOutput, SpecStats, _Emitter, _eos_ids, _pack
+from decode.output import Emitter, SpecOutput, SpecStats, eos_ids, pack
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def tree_generate(
     """Greedy speculative decoding of one prompt ``input_ids`` [1, P] (``prompt_mask`` [1, P] bool) with a draft
     tree from EAGLE-3 head ``draft`` (``decode.speculative.speculative_generate`` comes here for a ``tree:``
     draft length)."""
-    emitter = _Emitter(1, max_new_tokens, _eos_ids(target, eos_token_id), stop_strings, tokenizer)
+    emitter = Emitter(1, max_new_tokens, eos_ids(target, eos_token_id), stop_strings, tokenizer)
     stats = SpecStats()
     prompt = input_ids[:, prompt_mask[0].to(input_ids.device)]  # without padding, if any was given
     with decoding(target, draft):
@@ -211,8 +211,8 @@ def tree_generate(
             root = bonus
         stats.target_forwards = tgt.forwards
         stats.draft_forwards = drafter.forwards
-    eos = _eos_ids(target, eos_token_id)
-    return SpecOutput(_pack(input_ids, emitter.out, min(eos) if eos else 0), emitter.out, stats)
+    eos = eos_ids(target, eos_token_id)
+    return SpecOutput(pack(input_ids, emitter.out, min(eos) if eos else 0), emitter.out, stats)
 
 
 def _count_tree_round(stats: SpecStats, tree: DraftTree, accepted: int, depth: int) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from decode.draft_vocab import frequent_ids
 from decode.prompts import check_row, encode_prompt, left_pad, read_jsonl, render_prompt
 from distill.config import DataConfig
 
@@ -332,3 +333,25 @@ def collate_training(
         "attention_mask": attention_mask.to(device),
         "loss_mask": loss_mask.to(device),
     }
+
+
+# ---------------------------------------------------------------- the draft vocabulary's text
+
+
+def draft_vocabulary(
+    size: int, examples: list[Example], continuations: list[list[int]], vocab: int, always: list[int]
+) -> tuple[list[int], str]:
+    """draft.vocab_subset: the `size` ids most frequent in `vocabulary_text`, and where they came from; EOS ids
+    are always in."""
+    lists, where = vocabulary_text(examples, continuations)
+    return frequent_ids(lists, size, always=always, vocab=vocab), where
+
+
+def vocabulary_text(examples: list[Example], continuations: list[list[int]]) -> tuple[list[list[int]], str]:
+    """The text the draft will draft, as token id lists, and its name: the target's continuations when the run has
+    them before its first step (source target/mix with the cache, or a fixed dataset's completions), else the
+    training prompts. The draft vocabulary is counted on it and a masked head fitted to it."""
+    fixed = [e.completion_ids for e in examples if e.completion_ids]
+    if continuations or fixed:
+        return continuations + fixed, f"{len(continuations) + len(fixed)} training continuations"
+    return [e.prompt_ids for e in examples], f"{len(examples)} training prompts"

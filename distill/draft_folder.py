@@ -5,16 +5,13 @@ Used by distill.publish; each function works on a loaded model or a folder and k
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from distill.hub import PublishError, first_line
-
-if TYPE_CHECKING:
-    from distill.publish_source import PublishSource
+from distill.publish_source import PublishSource, read_json
 
 log = logging.getLogger("draftsmith.publish")
 
@@ -32,14 +29,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-
-
-def read_json(path: Path) -> Any:
-    """A JSON file's content; PublishError (one line) when it cannot be read."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise PublishError(f"cannot read {path}: {e}") from None
 
 
 def recipe_get(recipe: dict, dotted: str, default: Any = None) -> Any:

@@ -1,8 +1,8 @@
-"""Measuring a draft with an engine other than draftsmith's own decoder (recipe keys ``eval.engine`` and
-``eval.extra_engines``; today: vLLM).
+"""Measuring a draft with the recipe's eval settings in each engine: draftsmith's own decoder
+(:func:`bench_by_recipe`) and vLLM (recipe keys ``eval.engine`` and ``eval.extra_engines``).
 
 vLLM loads models from directories, so the draft is first saved the way vLLM serves it: in the target's dtype
-and with the target's vocab_size. Each measurement runs ``python -m decode bench --engine vllm`` in a
+and with the target's vocab_size. Each vLLM measurement runs ``python -m decode bench --engine vllm`` in a
 subprocess, which keeps vLLM's global state out of the training process.
 """
 
@@ -38,6 +38,49 @@ def _bench_settings(recipe: Recipe, dtype: str) -> dict[str, Any]:
         "seed": recipe.train.seed,
         "dtype": dtype,
     }
+
+
+def bench_by_recipe(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[dict],
+    recipe: Recipe,
+    *,
+    draft_name: str,
+    progress: bool,
+    hf_assisted: bool = True,
+    num_draft_tokens: int | str | None = None,
+    samples_out: Path | None = None,
+    draft_vocab: Sequence[int] | None = None,
+) -> dict:
+    """draftsmith's bench (decode.bench.run_bench) of loaded models with the recipe's eval settings: new tokens,
+    sampling, gamma (unless `num_draft_tokens`), batch size, repeats and seed. HF assisted generation runs as a
+    baseline where the recipe asks for it, the batch is 1 and the caller allows it (`hf_assisted`)."""
+    from decode.bench import run_bench
+
+    ev = recipe.eval
+    hf = ev.hf_assisted and ev.batch_size == 1 and hf_assisted
+    return run_bench(
+        target,
+        draft,
+        tokenizer,
+        list(prompts),
+        target_name=recipe.target.model,
+        draft_name=draft_name,
+        max_new_tokens=ev.max_new_tokens,
+        temperature=ev.temperature,
+        top_p=ev.top_p,
+        top_k=ev.top_k,
+        num_draft_tokens=ev.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
+        batch_size=ev.batch_size,
+        repeats=ev.repeats,
+        seed=recipe.train.seed,
+        baselines=("target", "hf") if hf else ("target",),
+        samples_out=samples_out,
+        progress=progress,
+        draft_vocab=draft_vocab,
+    )
 
 
 def evaluate_vllm(
@@ -83,7 +126,6 @@ def _bench_draftsmith(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype
     from decode.draft_vocab import load_ids
     from decode.kinds import eagle3
     from distill.models import load_target, load_tokenizer
-    from distill.training import bench_by_recipe
 
     target = load_target(dataclasses.replace(recipe.target, dtype=dtype))
     head = eagle3.is_eagle3(best)

@@ -25,7 +25,7 @@ from typing import Any
 from decode import sources
 from decode.compat import check_vocab_compatible
 from decode.prompts import read_jsonl
-from distill import models, prompt_gen
+from distill import kinds, models, prompt_gen
 from distill.config import DataConfig, ModelConfig, Recipe
 
 
@@ -37,33 +37,19 @@ def check_inputs(recipe: Recipe) -> None:
     """
     later = recipe.build_pair == "quickstart"  # empty model paths are filled in with the quickstart pair
     target = _known_model(recipe.target, "target.model", later)
-    head_kind = recipe.draft.kind == "eagle3"  # no draft LM: a head built from the target, or an EAGLE-3 folder
-    draft = None if recipe.draft.init == "truncate" or head_kind else _known_model(recipe.draft, "draft.model", later)
-    if head_kind and recipe.draft.model:
-        check_eagle3_folder(recipe.draft.model)
+    kind = kinds.get(recipe.draft.kind)  # a draft LM to load, or one built from the target (an EAGLE-3 head)
+    loads = kind.LOADS_DRAFT_MODEL and recipe.draft.init != "truncate"
+    draft = _known_model(recipe.draft, "draft.model", later) if loads else None
+    kind.check_inputs(
+        recipe, target, lambda: sources.load_config(target, key="target.model", **_config_kwargs(recipe.target))
+    )
     if target is None:
         return  # nothing to check the draft and the prompts against yet
-    if head_kind:
-        from distill.eagle3_train import check_target_config
-
-        check_target_config(sources.load_config(target, key="target.model", **_config_kwargs(recipe.target)), recipe)
     tokenizer = models.load_tokenizer(recipe.target.model, recipe.target, key="target.model")
     if draft is not None:
         draft_tokenizer = models.load_tokenizer(recipe.draft.model, recipe.draft, key="draft.model")
         check_pair_vocab(recipe.target, recipe.draft, tokenizer, draft_tokenizer)
     check_chat_prompts(recipe.data, tokenizer, recipe.target.model)
-
-
-def check_eagle3_folder(path: str) -> None:
-    """draft.kind=eagle3 with a draft.model: it must be an EAGLE-3 head folder (the head to start from)."""
-    from decode.kinds import eagle3
-
-    if not eagle3.is_eagle3(path):
-        raise ValueError(
-            f"draft.model {path!r} is not an EAGLE-3 head folder (config.json with architectures "
-            f"[{eagle3.ARCHITECTURE}]): leave draft.model empty to build the head from the target, or set "
-            "draft.kind=standalone"
-        )
 
 
 def _known_model(cfg: ModelConfig, key: str, later: bool) -> str | None:

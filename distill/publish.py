@@ -168,7 +168,7 @@ def remeasure(folder: Path, src: PublishSource, repo_id: str, reason: str, promp
     from decode.draft_vocab import load_ids
     from distill import models
     from distill.config import load_recipe
-    from distill.training import bench_by_recipe
+    from distill.engines import bench_by_recipe
 
     recipe = load_recipe(src.recipe_path)
     try:

@@ -9,6 +9,7 @@ or config.json that would make vLLM load the draft as another speculative method
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,6 @@ from typing import Any
 import yaml
 
 from decode.kinds.eagle3 import is_eagle3
-from distill.draft_folder import read_json
 from distill.hub import PublishError, is_hub_id
 from distill.run_state import stale_best
 
@@ -40,6 +40,14 @@ _ABS_PATH_RE = re.compile(
 
 
 # ---------------------------------------------------------------- inputs
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's content; PublishError (one line) when it cannot be read."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PublishError(f"cannot read {path}: {e}") from None
 
 
 @dataclass

@@ -246,25 +246,11 @@ class RunState:
     def finish_checkpoint(self, draft: Any, tokenizer: Any, step: int, result: dict, tmp: Path) -> Path:
         """Complete the checkpoint written into `tmp` (training state already there), move it into place,
         export best/ when it is the new best and prune the others. Returns the checkpoint directory."""
-        from decode.draft_vocab import save_ids, with_masked_head
-        from distill import models
+        from decode.kinds import kind_of
+        from distill import kinds
 
-        if getattr(draft, "kind", None) == "eagle3":  # the served format: config.json + model.safetensors
-            from decode.kinds import eagle3
-
-            eagle3.save(draft, tmp)
-            tokenizer.save_pretrained(tmp)  # the head has the target's tokenizer; engines and the card read it
-        elif self.draft_vocab is None:
-            models.save_draft(draft, tmp, tokenizer)
-        else:
-            ids, vocab, source, text = self.draft_vocab
-            # Trained over its draft vocabulary: the head's other rows are stale, so engines that run the full
-            # head get them masked (decode.draft_vocab.with_masked_head); the training draft keeps its tied head.
-            saved, head = draft, None
-            if self.recipe.distill.loss_vocab == "subset":
-                saved, head = with_masked_head(draft, ids, text)
-            models.save_draft(saved, tmp, tokenizer)
-            save_ids(tmp, ids, vocab=vocab, source=source, saved_head=head)
+        # the draft's files in the format its engines read (distill.kinds: an HF checkpoint, an EAGLE-3 head...)
+        kinds.get(kind_of(draft)).save_checkpoint(draft, tmp, tokenizer, self.draft_vocab, self.recipe)
         write_json_atomic(tmp / "eval.json", result)
         if step == 0:
             write_json_atomic(self.out / "base_eval.json", result)  # step-0 may be pruned; report.json needs it

@@ -18,8 +18,11 @@ from typing import Any
 import torch
 
 from decode import kernels
+from decode.kinds import kind_of
+from distill import kinds
 from distill.checkpoints import speedup_ci95
 from distill.config import Recipe, TrainConfig
+from distill.engines import bench_by_recipe, evaluate_vllm
 from distill.tracking import tracker_setup, wandb_has_credentials  # noqa: F401 (re-exported)
 
 # ---------------------------------------------------------------- trackers
@@ -122,8 +125,6 @@ def evaluate(
     understate the speedup the published, merged draft gives), and a draft trained in float32 next to a bf16/fp16
     target is measured in the target's dtype.
     """
-    from distill.engines import evaluate_vllm
-
     was_training = draft.training
     draft.eval()
     wrapper = _drop_autocast_wrapper(draft)  # measured as served: no training-time autocast around its forward
@@ -140,7 +141,7 @@ def evaluate(
             draft_name=recipe.draft.model,
             # HF assisted generation runs standalone LMs only (no LoRA wrapper; an EAGLE-3 head has no forward of
             # its own as an LM)
-            hf_assisted=not hasattr(served, "peft_config") and getattr(served, "kind", "standalone") == "standalone",
+            hf_assisted=not hasattr(served, "peft_config") and kinds.get(kind_of(served)).HF_ASSISTED,
             samples_out=samples_out,
             progress=True,
             draft_vocab=draft_vocab,
@@ -151,49 +152,6 @@ def evaluate(
         draft.train(was_training)
         kernels.release(target)  # the target stays loaded all run: its packed weights go until the next decoding
     return result
-
-
-def bench_by_recipe(
-    target: torch.nn.Module,
-    draft: torch.nn.Module,
-    tokenizer: Any,
-    prompts: Sequence[dict],
-    recipe: Recipe,
-    *,
-    draft_name: str,
-    progress: bool,
-    hf_assisted: bool = True,
-    num_draft_tokens: int | str | None = None,
-    samples_out: Path | None = None,
-    draft_vocab: Sequence[int] | None = None,
-) -> dict:
-    """draftsmith's bench (decode.bench.run_bench) of loaded models with the recipe's eval settings: new tokens,
-    sampling, gamma (unless `num_draft_tokens`), batch size, repeats and seed. HF assisted generation runs as a
-    baseline where the recipe asks for it, the batch is 1 and the caller allows it (`hf_assisted`)."""
-    from decode.bench import run_bench
-
-    ev = recipe.eval
-    hf = ev.hf_assisted and ev.batch_size == 1 and hf_assisted
-    return run_bench(
-        target,
-        draft,
-        tokenizer,
-        list(prompts),
-        target_name=recipe.target.model,
-        draft_name=draft_name,
-        max_new_tokens=ev.max_new_tokens,
-        temperature=ev.temperature,
-        top_p=ev.top_p,
-        top_k=ev.top_k,
-        num_draft_tokens=ev.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
-        batch_size=ev.batch_size,
-        repeats=ev.repeats,
-        seed=recipe.train.seed,
-        baselines=("target", "hf") if hf else ("target",),
-        samples_out=samples_out,
-        progress=progress,
-        draft_vocab=draft_vocab,
-    )
 
 
 def _drop_autocast_wrapper(model: torch.nn.Module) -> Any:

@@ -1,0 +1,59 @@
+"""Draft kinds on the training side: how train/distill.py builds, trains, evaluates and saves each kind of draft.
+
+A kind is one module here (its decoding side is the module of the same name in ``decode.kinds``), and one line
+in :data:`KINDS`. train/distill.py names no kind: it calls the functions of :class:`Kind` on the module
+``get(recipe.draft.kind)`` returns, in this order:
+
+    kind.check_inputs(recipe, target, ...)       preflight: refuse a recipe the kind cannot train, one line
+    kind.load_draft(recipe, device)              models: (draft, its tokenizer), or (None, None) for a draft
+                                                 built from the target (build_draft, below)
+    kind.cache_teacher(recipe, target)           data: distill.cache_teacher's store of the target's side
+    kind.generation_recorder(teachers, ...)      what the store keeps while the target generates (or None)
+    kind.build_draft(recipe, target, ...)        data: a draft built from the target and its continuations
+    kind.decoding_vocab(recipe, source, ...)     the draft vocabulary draftsmith's decoder drafts from
+    kind.loss_step(draft, target, ...)           the loop: a function of one micro-batch -> :class:`StepLoss`
+    kind.served(model)                           eval and save: the model as its engines serve it
+    kind.save_checkpoint(draft, folder, ...)     a checkpoint's draft files, in the format its engines read
+
+and reads three facts: ``LOADS_DRAFT_MODEL`` (draft.model is a model to load), ``HF_ASSISTED`` (HF assisted
+generation can run it), ``GENERATES_ROLLOUTS`` (it can speed up the target's rollouts as a speculative draft).
+The accept/reject rule, the bench, best/ selection, W&B, resume and publish are the same for every kind.
+docs/draft-kinds.md has the table of what each kind does.
+
+    standalone   a small causal LM with the target's tokenizer (distill.kinds.standalone)
+    eagle3       a one-layer head over three of the target's hidden layers (distill.kinds.eagle3)
+"""
+
+from __future__ import annotations
+
+from distill.config import Recipe
+from distill.kinds import eagle3, standalone
+from distill.kinds.interface import Kind, StepLoss
+
+__all__ = ["KINDS", "Kind", "StepLoss", "engine_limits", "get"]
+
+# the registry: draft.kind -> its module (a new kind: its module, and one line here)
+KINDS: dict[str, Kind] = {
+    standalone.NAME: standalone,
+    eagle3.NAME: eagle3,
+}
+
+
+def get(name: str) -> Kind:
+    """The module of draft kind ``name`` (``recipe.draft.kind``; ``decode.kinds.kind_of`` of a loaded draft).
+
+    Raises:
+        ValueError: no such kind, naming the kinds there are.
+    """
+    if name not in KINDS:
+        raise ValueError(f"draft.kind={name!r} is not a draft kind: use one of {', '.join(KINDS)}")
+    return KINDS[name]
+
+
+def engine_limits(recipe: Recipe, kind: Kind) -> str | None:
+    """Turn off what the recipe asks of an engine that cannot run ``kind`` (eval.hf_assisted); the note to print,
+    or None."""
+    if kind.HF_ASSISTED or not recipe.eval.hf_assisted:
+        return None
+    recipe.eval.hf_assisted = False
+    return f"note: eval.hf_assisted=false: HF assisted generation cannot run {kind.DESCRIPTION}"

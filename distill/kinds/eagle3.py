@@ -1,0 +1,145 @@
+"""Training an EAGLE-3 head (`draft.kind: eagle3`): a one-layer head over three of the target's hidden layers.
+
+There is no draft LM to load: the head is built from the target once the target's continuations are generated,
+because its draft vocabulary is counted on them (or started from an EAGLE-3 head folder in draft.model, or from
+the newest checkpoint on --resume). Each step feeds it the target's hidden states and logits of the batch
+(``distill.eagle3_train.step_loss``, which holds the numerics); it trains as an :class:`Unrolled` module and is
+evaluated and saved as the head itself, in the layout vLLM and SGLang load (decoding side:
+``decode.kinds.eagle3``). It needs the target's states to draft, so it neither speeds up the target's rollouts
+nor runs in HF assisted generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from decode.kinds import eagle3 as decoding
+from distill import eagle3_train
+from distill.config import Recipe
+from distill.data import draft_vocabulary
+from distill.kinds.interface import StepLoss
+from distill.teacher_cache import sequence_key
+
+NAME = decoding.NAME
+DESCRIPTION = "an EAGLE-3 head"
+LOADS_DRAFT_MODEL = False
+HF_ASSISTED = False
+GENERATES_ROLLOUTS = False
+
+
+def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:
+    """draft.model, when given, must be an EAGLE-3 head folder; the target (``target_config()``, read once
+    ``target`` is known) must give per-layer hidden states the head can read.
+
+    Raises:
+        ValueError: one line naming the recipe key and the fix.
+    """
+    if recipe.draft.model:
+        check_folder(recipe.draft.model)
+    if target is not None:
+        eagle3_train.check_target_config(target_config(), recipe)
+
+
+def check_folder(path: str) -> None:
+    """draft.kind=eagle3 with a draft.model: it must be an EAGLE-3 head folder (the head to start from)."""
+    if not decoding.is_eagle3(path):
+        raise ValueError(
+            f"draft.model {path!r} is not an EAGLE-3 head folder (config.json with architectures "
+            f"[{decoding.ARCHITECTURE}]): leave draft.model empty to build the head from the target, or set "
+            "draft.kind=standalone"
+        )
+
+
+def load_draft(recipe: Recipe, device: torch.device) -> tuple[None, None]:
+    """Nothing to load before the data: :func:`build_draft` builds the head once its draft vocabulary is known."""
+    return None, None
+
+
+def cache_teacher(recipe: Recipe, target: nn.Module) -> eagle3_train.TargetCache | None:
+    """distill.cache_teacher: the target's hidden states and logits of each sequence, kept as it generates them."""
+    cfg = recipe.distill
+    return eagle3_train.TargetCache(target, cfg.temperature, cfg.cache_teacher_gb) if cfg.cache_teacher else None
+
+
+def generation_recorder(
+    teachers: eagle3_train.TargetCache | None, recipe: Recipe, target: nn.Module
+) -> eagle3_train.GenerationRecorder | None:
+    """What fills ``teachers`` while the target generates the continuations (the aux layers a head built from the
+    target reads)."""
+    if teachers is None:
+        return None
+    return eagle3_train.GenerationRecorder(teachers, eagle3_train.planned_aux_layers(recipe, target))
+
+
+def build_draft(
+    recipe: Recipe,
+    target: nn.Module,
+    source: Any,
+    train_prompts: Sequence,
+    vocab_size: int,
+    teachers: eagle3_train.TargetCache | None,
+    resume_from: Path | None,
+    is_main: bool,
+) -> eagle3_train.Unrolled:
+    """The head to train, over the draft.vocab_subset tokens most frequent in the continuations ``source`` holds.
+
+    ``resume_from`` (--resume): the newest checkpoint, whose head (with its own vocabulary) is taken; a resume-only
+    checkpoint holds no head, and the vocabulary counted here, on the same cached continuations, is the one the
+    run started with.
+    """
+    size = eagle3_train.vocab_size(recipe.draft.vocab_subset, vocab_size)
+    cached = source.cache.completions() if source.cache is not None else []
+    ids, where = draft_vocabulary(size, train_prompts, cached, vocab_size, source.eos_token_id)
+    head = eagle3_train.initial_head(recipe, target, ids, resume_from)
+    if is_main:
+        size, layers = len(head.draft_ids), head.aux_layers
+        print(f"eagle3 head: draft vocabulary of {size} of {vocab_size} tokens ({where}), aux layers {layers}")
+    if teachers is not None and head.aux_layers != eagle3_train.planned_aux_layers(recipe, target):
+        teachers.clear()  # draft.model's head reads other layers than those kept while generating
+    return eagle3_train.Unrolled(head)
+
+
+def decoding_vocab(
+    recipe: Recipe, source: Any, train_prompts: Sequence, vocab_size: int, state: Any, is_main: bool
+) -> None:
+    """None: the head carries its own draft vocabulary (``head.draft_ids``)."""
+    return None
+
+
+def loss_step(
+    accelerator: Any,
+    draft: nn.Module,
+    target: nn.Module,
+    recipe: Recipe,
+    vocab_size: int,
+    teachers: eagle3_train.TargetCache | None,
+    draft_vocab: list[int] | None,
+) -> Callable[[dict[str, torch.Tensor], list, bool], StepLoss]:
+    """The step of one micro-batch: the target's hidden states and logits, the head unrolled over them
+    (``eagle3_train.step_loss``); its stats are train/loss_k and train/acc_k per unrolled step k."""
+
+    def step(batch: dict[str, torch.Tensor], pairs: list, on_policy: bool) -> StepLoss:
+        keys = None if teachers is None else [sequence_key(*p) for p in pairs]
+        loss, unrolled = eagle3_train.step_loss(draft, target, batch, recipe.distill, cache=teachers, keys=keys)
+        agreement = unrolled.get("train/acc_0", 0.0)
+        scored = int(unrolled.pop("train/teacher_forwards"))
+        return StepLoss(loss, agreement, scored, unrolled)
+
+    return step
+
+
+def served(model: nn.Module) -> decoding.Eagle3Head:
+    """The head itself, not its training unroll."""
+    return eagle3_train.head_of(model)
+
+
+def save_checkpoint(draft: nn.Module, folder: Path, tokenizer: Any, draft_vocab: tuple | None, recipe: Recipe) -> None:
+    """The served format (config.json + model.safetensors) and the target's tokenizer, which engines and the
+    model card read."""
+    decoding.save(draft, folder)
+    tokenizer.save_pretrained(folder)

@@ -1,0 +1,75 @@
+"""The small interface every training-side draft kind provides (see distill.kinds for the order of the calls)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from distill.config import Recipe
+
+
+@dataclass
+class StepLoss:
+    """One micro-batch's training step, as the loop logs it."""
+
+    loss: torch.Tensor  # scalar, carries the gradient
+    agreement: float  # the draft's top-1 agreement with the target on the trained positions
+    teacher_forwards: int  # sequences the target ran a forward for (the rest came from distill.cache_teacher)
+    stats: dict[str, float] = field(default_factory=dict)  # further train/* figures, averaged over micro-batches
+
+
+@runtime_checkable
+class Kind(Protocol):
+    """What a kind's module provides (module attributes and functions; see the module docstring for the order)."""
+
+    NAME: str
+    DESCRIPTION: str  # what it is, for messages: "a standalone draft LM", "an EAGLE-3 head"
+    LOADS_DRAFT_MODEL: bool
+    HF_ASSISTED: bool
+    GENERATES_ROLLOUTS: bool
+
+    def check_inputs(self, recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None: ...
+
+    def load_draft(self, recipe: Recipe, device: torch.device) -> tuple[nn.Module | None, Any]: ...
+
+    def cache_teacher(self, recipe: Recipe, target: nn.Module) -> Any: ...
+
+    def generation_recorder(self, teachers: Any, recipe: Recipe, target: nn.Module) -> Any: ...
+
+    def build_draft(
+        self,
+        recipe: Recipe,
+        target: nn.Module,
+        source: Any,
+        train_prompts: Sequence[Any],
+        vocab_size: int,
+        teachers: Any,
+        resume_from: Path | None,
+        is_main: bool,
+    ) -> nn.Module: ...
+
+    def decoding_vocab(
+        self, recipe: Recipe, source: Any, train_prompts: Sequence[Any], vocab_size: int, state: Any, is_main: bool
+    ) -> list[int] | None: ...
+
+    def loss_step(
+        self,
+        accelerator: Any,
+        draft: nn.Module,
+        target: nn.Module,
+        recipe: Recipe,
+        vocab_size: int,
+        teachers: Any,
+        draft_vocab: list[int] | None,
+    ) -> Callable[[dict[str, torch.Tensor], list, bool], StepLoss]: ...
+
+    def served(self, model: nn.Module) -> nn.Module: ...
+
+    def save_checkpoint(
+        self, draft: nn.Module, folder: Path, tokenizer: Any, draft_vocab: tuple | None, recipe: Recipe
+    ) -> None: ...
