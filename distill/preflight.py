@@ -10,7 +10,10 @@ files only.
   transformers can load, and the `gguf` package installed);
 * the pair's vocabularies: the same tokens, and output widths that cover the target's tokenizer (the decoder's
   rule, :func:`decode.compat.check_vocab_compatible`, applied to the configs);
-* chat prompts ('messages' rows, generate:magpie) need the target's chat template.
+* chat prompts ('messages' rows, generate:magpie) need the target's chat template;
+* a standalone draft is not an EAGLE-3 head folder; for draft.kind=eagle3, the target's forward returns its
+  per-layer hidden states (probed on one token of a weightless, meta-device copy), and a head folder in
+  draft.model was made for this target (vocabulary, hidden size, aux layer ids in its config.json).
 
 What is not known yet is skipped, never guessed: an empty model path (build_pair: quickstart fills it in later),
 the draft of `draft.init: truncate` (built from the target, it has the target's vocabulary by construction), and
@@ -41,12 +44,18 @@ def check_inputs(recipe: Recipe) -> None:
     draft = None if recipe.draft.init == "truncate" or head_kind else _known_model(recipe.draft, "draft.model", later)
     if head_kind and recipe.draft.model:
         check_eagle3_folder(recipe.draft.model)
+    if draft is not None:
+        check_not_a_head(draft)
     if target is None:
         return  # nothing to check the draft and the prompts against yet
     if head_kind:
         from distill.eagle3_train import check_target_config
 
-        check_target_config(sources.load_config(target, key="target.model", **_config_kwargs(recipe.target)), recipe)
+        target_config = sources.load_config(target, key="target.model", **_config_kwargs(recipe.target))
+        check_target_config(target_config, recipe)
+        check_hidden_states(target_config, recipe.target, "draft.kind=eagle3")
+        if recipe.draft.model:
+            check_head_fits(recipe.draft.model, target_config, recipe.target.model)
     tokenizer = models.load_tokenizer(recipe.target.model, recipe.target, key="target.model")
     if draft is not None:
         draft_tokenizer = models.load_tokenizer(recipe.draft.model, recipe.draft, key="draft.model")
@@ -63,6 +72,58 @@ def check_eagle3_folder(path: str) -> None:
             f"draft.model {path!r} is not an EAGLE-3 head folder (config.json with architectures "
             f"[{eagle3.ARCHITECTURE}]): leave draft.model empty to build the head from the target, or set "
             "draft.kind=standalone"
+        )
+
+
+def check_not_a_head(path: str) -> None:
+    """A standalone draft (draft.kind=standalone, the default) must be a causal LM, not an EAGLE-3 head folder."""
+    from decode.kinds import eagle3
+
+    if Path(path).is_dir() and eagle3.is_eagle3(path):
+        raise ValueError(
+            f"draft.model {path!r} is an EAGLE-3 head folder, not a standalone draft model: set draft.kind=eagle3 "
+            "to train or measure the head"
+        )
+
+
+def check_head_fits(path: str, target_config: Any, target_name: str) -> None:
+    """draft.model, an EAGLE-3 head folder, was made for this target: its config.json against the target's
+    (vocabulary, hidden size, aux layer ids; :func:`decode.kinds.eagle3.folder_config`)."""
+    from decode.kinds import eagle3
+
+    try:
+        eagle3.folder_config(path, target_config, target_name)
+    except ValueError as err:
+        raise ValueError(f"draft.model and target.model: {err}") from None
+
+
+def check_hidden_states(target_config: Any, cfg: ModelConfig, why: str) -> None:
+    """The target's forward returns its per-layer hidden states, for a draft kind that reads them (`why`).
+
+    Probed on one token of a weightless copy of the target (its class built from its config on the meta device):
+    no weights are read. A forward that cannot run on the meta device is left to the loaded model's checks.
+
+    Raises:
+        ValueError: the forward gives no `hidden_states`, or not one per layer plus the embeddings.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    layers = text.num_hidden_layers
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(target_config, trust_remote_code=cfg.trust_remote_code)
+            out = model(input_ids=torch.zeros(1, 1, dtype=torch.long), output_hidden_states=True)
+    except Exception:  # noqa: BLE001 - an op with no meta kernel says nothing about the outputs: unknown, not bad
+        return
+    states = getattr(out, "hidden_states", None)
+    if not isinstance(states, tuple | list) or len(states) != layers + 1:
+        got = f"{len(states)}" if isinstance(states, tuple | list) else "no"
+        raise ValueError(
+            f"target.model {cfg.model!r} ({type(model).__name__}): its forward returns {got} hidden states with "
+            f"output_hidden_states=True, not the {layers + 1} (the embeddings and each of its {layers} layers) "
+            f"that {why} reads: use a target class that returns them, or draft.kind=standalone"
         )
 
 

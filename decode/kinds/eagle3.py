@@ -472,30 +472,76 @@ def is_eagle3(path: str | Path) -> bool:
     return any("Eagle3" in a for a in archs)
 
 
+def folder_config(directory: str | Path, target_config, target_name: str) -> LlamaConfig:
+    """The head config saved in ``directory``, completed as vLLM completes it and checked against the target's
+    config (``target_config``: the target's ``config``, from ``AutoConfig`` or a loaded model); reads no weights.
+
+    Left out of config.json, ``eagle_aux_hidden_state_layer_ids`` defaults to vLLM's (2, L//2, L-3) of the target
+    (:func:`default_aux_layers`), ``draft_vocab_size`` to ``vocab_size`` and ``target_hidden_size`` to
+    ``hidden_size``.
+
+    Raises:
+        ValueError: one line: the head was made for another target (vocabulary, hidden size, aux layer ids).
+    """
+    directory = Path(directory)
+    raw = json.loads((directory / "config.json").read_text())
+    for key in ("eagle_config", "draftsmith", "architectures", "torch_dtype", "model_type"):
+        raw.pop(key, None)
+    config = LlamaConfig(**raw)
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    layers = int(tc.num_hidden_layers)
+    if getattr(config, "target_hidden_size", None) is None:
+        config.target_hidden_size = config.hidden_size
+    if getattr(config, "draft_vocab_size", None) is None:
+        config.draft_vocab_size = config.vocab_size
+    if not getattr(config, "eagle_aux_hidden_state_layer_ids", None):
+        config.eagle_aux_hidden_state_layer_ids = default_aux_layers(layers)
+    fit = (int(config.vocab_size), int(config.target_hidden_size), int(config.hidden_size))
+    if fit != (int(tc.vocab_size), int(tc.hidden_size), int(tc.hidden_size)):
+        raise ValueError(
+            f"EAGLE-3 head {str(directory)!r} was trained for a target with vocabulary {config.vocab_size} and hidden "
+            f"size {config.target_hidden_size}, not {target_name!r} ({tc.vocab_size}, {tc.hidden_size}): "
+            "pass the target it was trained on"
+        )
+    aux = [int(a) for a in config.eagle_aux_hidden_state_layer_ids]
+    if not (len(aux) == 3 and 0 <= aux[0] < aux[1] < aux[2] < layers):
+        raise ValueError(
+            f"EAGLE-3 head {str(directory)!r} reads target layers {aux}, which {target_name!r} ({layers} layers) "
+            f"does not have as 3 distinct rising ids in 0..{layers - 1}: pass the target it was trained on"
+        )
+    config.eagle_aux_hidden_state_layer_ids = aux
+    return config
+
+
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint: its tensors' files
+
+
+def folder_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The head's tensors: ``model.safetensors``, or the shards ``model.safetensors.index.json`` lists."""
+    directory = Path(directory)
+    if (directory / WEIGHTS).is_file():
+        return load_file(str(directory / WEIGHTS))
+    if not (directory / INDEX).is_file():
+        raise ValueError(f"EAGLE-3 head {str(directory)!r} has no {WEIGHTS} (nor a sharded {INDEX})")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(json.loads((directory / INDEX).read_text())["weight_map"].values())):
+        tensors.update(load_file(str(directory / shard)))
+    return tensors
+
+
 def load(directory: str | Path, target: nn.Module) -> Eagle3Head:
-    """The head saved in ``directory``, on the target's device, sharing the target's embedding.
+    """The head saved in ``directory`` (:func:`folder_config`, :func:`folder_tensors`), on the target's device,
+    sharing the target's embedding.
 
     Raises:
         ValueError: the head does not fit the target (vocabulary, hidden width, layer ids).
     """
     directory = Path(directory)
-    raw = json.loads((directory / "config.json").read_text())
-    for key in ("eagle_config", "draftsmith", "architectures", "torch_dtype"):
-        raw.pop(key, None)
-    config = LlamaConfig(**raw)
-    tc = text_config(target)
-    if int(config.vocab_size) != int(tc.vocab_size) or int(config.target_hidden_size) != int(tc.hidden_size):
-        raise ValueError(
-            f"EAGLE-3 head {str(directory)!r} was trained for a target with vocabulary {config.vocab_size} and hidden "
-            f"size {config.target_hidden_size}, not {model_name(target)!r} ({tc.vocab_size}, {tc.hidden_size}): "
-            "pass the target it was trained on"
-        )
-    config.eagle_aux_hidden_state_layer_ids = check_aux_layers(
-        config.eagle_aux_hidden_state_layer_ids, int(tc.num_hidden_layers)
-    )
-    tensors = load_file(str(directory / WEIGHTS))
+    config = folder_config(directory, target.config, model_name(target))
+    tensors = folder_tensors(directory)
     d2t = tensors.pop("d2t", None)
     tensors.pop("t2d", None)
+    tensors.pop("embed_tokens.weight", None)  # some exporters include the target's embedding; the head shares it
     if d2t is None and int(config.draft_vocab_size) != int(config.vocab_size):
         raise ValueError(
             f"EAGLE-3 head {str(directory)!r} has a draft vocabulary of {config.draft_vocab_size} of "
