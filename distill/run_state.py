@@ -252,7 +252,7 @@ class RunState:
         if getattr(draft, "kind", None) == "eagle3":  # the served format: config.json + model.safetensors
             from decode.kinds import eagle3
 
-            eagle3.save(draft, tmp)
+            eagle3.save(draft, tmp, target_name=self.recipe.target.model)
             tokenizer.save_pretrained(tmp)  # the head has the target's tokenizer; engines and the card read it
         elif self.draft_vocab is None:
             models.save_draft(draft, tmp, tokenizer)

@@ -219,6 +219,25 @@ def test_save_load_round_trip_in_the_served_layout(tmp_path, llama_pair):
     assert a.stats.per_position_accepted == b.stats.per_position_accepted and a.new_tokens == b.new_tokens
 
 
+def test_a_head_folder_says_what_it_is_and_how_to_load_it(tmp_path, llama_pair):
+    """A head folder (a checkpoint, best/) holds a README.md and config.json's draftsmith.about: an EAGLE-3 head,
+    not a model AutoModelForCausalLM loads (it cannot), served by vLLM / SGLang, loaded by eagle3.load."""
+    target, head = llama_pair
+    eagle3.save(head, tmp_path, target_name="org/target")
+    readme = (tmp_path / "README.md").read_text()
+    assert readme.startswith("# EAGLE-3 draft head\n\n" + eagle3.ABOUT)
+    assert "Trained with draftsmith for the target `org/target`" in readme and "[1, 2, 3]" in readme
+    assert "Nor can `AutoModelForCausalLM.from_pretrained` load it" in readme
+    assert "vllm serve org/target --speculative-config" in readme and '"method": "eagle3"' in readme
+    assert "--speculative-algorithm EAGLE3" in readme
+    assert 'head = eagle3.load("PATH/TO/THIS/FOLDER", target)' in readme
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["draftsmith"] == {"draft_kind": "eagle3", "about": eagle3.ABOUT}
+    with pytest.raises(Exception):  # noqa: B017 - what the README says: transformers cannot load the folder
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert eagle3.load(tmp_path, target).aux_layers == head.aux_layers
+
+
 def test_a_head_over_the_whole_vocabulary_is_saved_without_d2t(tmp_path, llama_pair):
     """vLLM makes no d2t parameter for a head whose draft vocabulary is the target's and refuses the tensor."""
     from safetensors.torch import load_file, save_file
