@@ -16,9 +16,10 @@ Example (the stdlib reference pair built by recipes/pretrain/stdlib-*.yaml, gree
 acceptance counters and vLLM-with-draft vs vLLM target-only tokens/s (``decode.vllm_engine``; needs
 ``pip install "draftsmith[vllm]"``).
 
-Errors in the inputs (missing or empty prompt file, vocabulary mismatch, chat prompts for a tokenizer without a chat
-template, a GGUF file of an architecture transformers cannot load, prompt past the context) print one
-``error: ...`` line and exit with status 2, writing nothing; all but the last are found before any weights load.
+Errors in the inputs (missing or empty prompt file, a model path that does not exist, vocabulary mismatch, chat
+prompts for a tokenizer without a chat template, a GGUF file of an architecture transformers cannot load, an EAGLE-3
+head made for another target, prompt past the context) print one ``error: ...`` line and exit with status 2,
+writing nothing; all but the last are found before any weights load.
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ def check_inputs(args: argparse.Namespace) -> tuple[Any, Any, list[dict]]:
 
     target_tok = sources.load_tokenizer(args.target, key="--target")
     if eagle3.is_eagle3(args.draft):  # a head over the target's own states: the target's tokens by construction
+        eagle3.folder_config(args.draft, sources.load_config(args.target, key="--target"), args.target)  # its target?
         return target_tok, target_tok, load_prompts(args.prompts, tokenizer=target_tok)
     draft_tok = sources.load_tokenizer(args.draft, key="--draft")
     target_shape = sources.config_only(args.target, key="--target")
@@ -203,8 +205,12 @@ def plot(result: dict, out: str | Path) -> None:
 
 def bench(args: argparse.Namespace) -> dict:
     """Measure the pair with the chosen engine and write ``--json`` / ``--plot``; the bench JSON dict."""
+    from decode import sources
+
     if not Path(args.prompts).is_file():
         raise ValueError(f"prompt file not found: {args.prompts}")
+    for name, key in ((args.target, "--target"), (args.draft, "--draft")):
+        sources.resolve_model_path(name, key)  # a typo'd path: "not found", not the Hub's complaint about its form
     result = bench_vllm(args) if args.engine == "vllm" else bench_draftsmith(args)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

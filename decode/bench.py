@@ -24,6 +24,7 @@ benched on the same prompts are compared by their per-batch speedups (``speedup_
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import importlib.metadata
 import itertools
@@ -41,7 +42,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from decode import kernels
-from decode.compat import check_context, check_vocab_compatible
+from decode.compat import check_context, check_vocab_compatible, logits_width, text_config, with_rows
 from decode.draft_length import AutoDraftLength, TreeShape, is_tree_spec, parse_tree
 from decode.draft_vocab import with_subset_head
 from decode.kinds import kind_of
@@ -124,6 +125,74 @@ def _generation_configs(configs: dict[nn.Module, GenerationConfig]) -> Iterator[
             model.generation_config = config
 
 
+class HFAssistant:
+    """The draft as HF assisted generation takes it: with the target's vocabulary width, for the length of a call.
+
+    transformers runs ``generate(assistant_model=draft)`` on shared token ids only when both configs give the same
+    ``vocab_size``; otherwise it asks for both tokenizers and runs Universal Assisted Decoding, which decodes and
+    re-encodes the text every round: a slower baseline than the draft deserves, and not how its published copy
+    runs. A target whose embedding is padded past its tokenizer (Qwen2.5-7B: 152064 rows, its 0.5B sibling
+    151936) differs from its draft only in padding, so the HF methods run the draft with its embedding and output
+    layer swapped for copies of the target's width, padded as publishing pads them (``with_rows``, as
+    ``distill.draft_folder.match_vocab``): HF times the draft as published. Only those two layers are copied, and
+    they are swapped back after every call: draftsmith's loop and everything else see the draft as it is.
+
+        assistant = HFAssistant(target, draft)
+        with assistant():
+            target.generate(..., assistant_model=draft)
+    """
+
+    def __init__(self, target: nn.Module, draft: nn.Module) -> None:
+        self.draft = draft
+        self.rows, self.vocab = logits_width(target), text_config(target).vocab_size
+        self.layers: tuple[nn.Module, nn.Module | None] | None = None
+        if logits_width(draft) != self.rows:
+            self.layers = self._resized(draft.get_input_embeddings(), draft.get_output_embeddings())
+
+    def _resized(self, embedding: nn.Module, head: nn.Module | None) -> tuple[nn.Module, nn.Module | None]:
+        """Copies of the embedding and output layer with `rows` rows (a tied head shares the new embedding)."""
+        new_embedding = self._copy(embedding, "num_embeddings")
+        if head is None:
+            return new_embedding, None
+        tied = head.weight is embedding.weight
+        return new_embedding, self._copy(head, "out_features", new_embedding.weight if tied else None)
+
+    def _copy(self, layer: nn.Module, size_attr: str, weight: nn.Parameter | None = None) -> nn.Module:
+        """A shallow copy of `layer` (its class, so a scaled embedding keeps its scale) with every parameter
+        resized to `rows` rows; `weight`: the (tied) weight to use instead of a resized copy."""
+        new = copy.copy(layer)
+        new._parameters = {
+            name: param if param is None else nn.Parameter(with_rows(param.detach(), self.rows), requires_grad=False)
+            for name, param in layer._parameters.items()
+            if not (name == "weight" and weight is not None)
+        }
+        if weight is not None:
+            new._parameters["weight"] = weight
+        if hasattr(new, size_attr):
+            setattr(new, size_attr, self.rows)
+        return new
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[nn.Module]:
+        config = text_config(self.draft)
+        saved_vocab = config.vocab_size
+        saved = (self.draft.get_input_embeddings(), self.draft.get_output_embeddings())
+        try:
+            config.vocab_size = self.vocab
+            if self.layers is not None:
+                self._set(*self.layers)
+            yield self.draft
+        finally:
+            config.vocab_size = saved_vocab
+            if self.layers is not None:
+                self._set(*saved)
+
+    def _set(self, embedding: nn.Module, head: nn.Module | None) -> None:
+        self.draft.set_input_embeddings(embedding)
+        if head is not None:
+            self.draft.set_output_embeddings(head)
+
+
 class _Runner:
     """Runs one method on one batch and returns (seconds, new tokens per row, stats or None).
 
@@ -142,6 +211,7 @@ class _Runner:
         self.pad_id = pad_id
         self.device = next(target.parameters()).device
         self.assistant: dict[str, dict] = {}
+        self.hf_assistant = HFAssistant(target, draft)
 
     def generation_config(self, assistant: dict | None = None) -> GenerationConfig:
         """A fresh config from the bench's own settings only (plus the assistant settings, for the draft)."""
@@ -186,11 +256,13 @@ class _Runner:
         else:
             config = self.generation_config()
             configs, extra = {self.target: config}, {}
+            assistant = contextlib.nullcontext()
             if method.startswith("hf_assisted"):
                 configs[self.draft] = self.generation_config(self.assistant[method])
                 extra = {"assistant_model": self.draft}
+                assistant = self.hf_assistant()  # the target's vocabulary width, as published
             models = (self.target, self.draft) if method == "hf_assisted_same_kernels" else ()
-            with torch.inference_mode(), kernels.CpuLinears(*models), _generation_configs(configs):
+            with torch.inference_mode(), assistant, kernels.CpuLinears(*models), _generation_configs(configs):
                 seqs = self.target.generate(ids, attention_mask=mask, generation_config=config, **extra)
             tokens = [_strip(row, self.eos) for row in seqs[:, ids.shape[1] :].tolist()]
         sync(self.device)

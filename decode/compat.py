@@ -72,6 +72,19 @@ def _too_narrow(target: nn.Module, draft: nn.Module, target_tokenizer) -> str:
     )
 
 
+def with_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`weight` ([V, ...]: an embedding, an output layer or its bias) cut or padded to `rows` rows; padded rows
+    are the mean of the existing ones.
+
+    A padded id never comes out of the tokenizer, and an output row equal to the mean row gives the mean logit,
+    which is never the greedy choice. Rows past `rows` are dropped (the target's tokenizer never produces them).
+    """
+    if rows <= weight.shape[0]:
+        return weight[:rows].clone()
+    pad = weight.mean(0, keepdim=True).expand(rows - weight.shape[0], *weight.shape[1:])
+    return torch.cat([weight, pad.to(weight.dtype)])
+
+
 def context_length(model: nn.Module) -> int | None:
     """The model's maximum number of positions, or None when the config does not say."""
     config = text_config(model)

@@ -11,6 +11,8 @@ load; anything else is one `ValueError` line. The `gguf` package is needed only 
 
 from __future__ import annotations
 
+import os
+import re
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -152,6 +154,51 @@ def _plain(model: Any) -> Any:
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
     return model
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # org/name or a bare name
+
+
+def resolve_model_path(name: str, key: str, revision: str | None = None) -> str:
+    """A local model directory or a hub id that can be loaded now; else a one-line ValueError naming `key`.
+
+    Args:
+        name: the recipe value (`target.model`, `draft.model`, ...) or a command-line one (`--draft`).
+        key: the recipe key or flag, used in the message.
+        revision: hub revision, for the offline-cache check.
+    """
+    if not name:
+        raise ValueError(f"{key} is empty: set it to a local model directory or a Hugging Face hub id")
+    if is_gguf(name):
+        return str(check_gguf(name, key))
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file() and not (path / "tokenizer_config.json").is_file():
+            raise ValueError(
+                f"{key} {name!r} is a directory without config.json: point it at a saved Hugging Face model "
+                "(the folder written by save_pretrained)"
+            )
+        return str(path)
+    if path.exists():
+        raise ValueError(f"{key} {name!r} is a file: point it at a model directory (with config.json) or a hub id")
+    if not _HUB_ID.match(name) or name.startswith((".", "~")):
+        raise ValueError(
+            f"{key} {name!r} not found: no such directory (relative to {os.getcwd()}); fix the path or use a hub id"
+        )
+    from distill.hub import hub_offline
+
+    if hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json", revision=revision)
+        if not isinstance(cached, str):
+            cached = try_to_load_from_cache(name, "tokenizer_config.json", revision=revision)
+        if not isinstance(cached, str):
+            raise ValueError(
+                f"{key} {name!r} not found: not a local directory, and as a hub id it is not in the local cache "
+                f"while HF_HUB_OFFLINE=1; download it first (hf download {name}) or point {key} at a local copy"
+            )
+    return name
 
 
 def load_config(name: str, *, key: str = "model", **kwargs: Any) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from decode.draft_length import is_tree_spec, parse_tree
+from decode.draft_length import is_tree_spec
 from decode.draft_vocab import MAX_MASS
 from distill.hub import is_hub_id
 
@@ -38,6 +38,12 @@ def _speedup(value: Any, ci: Any = None) -> str:
     if isinstance(ci, list | tuple) and len(ci) == 2 and all(isinstance(x, int | float) for x in ci):
         text += f" (95% CI {ci[0]:.2f}-{ci[1]:.2f}x)"
     return text
+
+
+def slower_than_target(ev: dict) -> float | None:
+    """The measured speedup vs target-only decoding when it is below 1 (the draft slows the target), else None."""
+    value = (ev.get("speedup") or {}).get("vs_target")
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value < 1 else None
 
 
 def engine_of(ev: dict) -> str:
@@ -191,12 +197,7 @@ def _figures(info: dict) -> list[str]:
         f"- `generation_config.json` (what HF assisted generation reads): {_assistant_line(info)}",
     ]
     if best.get("draft_vocab_size"):
-        lines.append(
-            f"- draftsmith's decoder drafted from the {best['draft_vocab_size']} tokens of `draft_vocab.json` (the "
-            "target's most frequent; lossless: the target verifies over its whole vocabulary). The model keeps its "
-            "full output layer, which HF assisted generation, vLLM and SGLang use: their drafts cost more per token"
-            + _masked_head_text(info.get("masked_head"))
-        )
+        lines.append(_draft_vocab_line(info, best["draft_vocab_size"]))
     settings = best.get("hf_assisted_settings")
     if isinstance(settings, dict):
         for which in ("defaults", "published"):
@@ -230,6 +231,24 @@ def _figures(info: dict) -> list[str]:
     return lines
 
 
+def _draft_vocab_line(info: dict, size: int) -> str:
+    """What the figures drafted from, for the kind and the files uploaded."""
+    if info.get("draft_kind") == "eagle3":
+        return (
+            f"- the head drafts from its own draft vocabulary: {size} of the target's tokens (the most frequent in "
+            "its training continuations), the rows of its output layer `lm_head`; `d2t` and `t2d` in "
+            "`model.safetensors` map them to the target's ids. vLLM, SGLang and draftsmith's decoder all draft from "
+            "those tokens; lossless: the target verifies over its whole vocabulary"
+        )
+    where = "`draft_vocab.json` (in this repo)" if info.get("draft_vocab_file") else "a draft vocabulary"
+    return (
+        f"- draftsmith's decoder drafted from the {size} tokens of {where} (the target's most frequent; lossless: "
+        "the target verifies over its whole vocabulary). The model keeps its full output layer, which HF assisted "
+        "generation, vLLM and SGLang use: their drafts cost more per token"
+        + _masked_head_text(info.get("masked_head"))
+    )
+
+
 def _masked_head_text(head: dict | None) -> str:
     """The card's words on a head trained over the draft vocabulary alone (decode.draft_vocab.with_masked_head)."""
     if not head:
@@ -257,42 +276,11 @@ def vllm_spec(repo_id: str, gamma: int) -> str:
 
 
 def eagle3_usage(target: str, repo_id: str, gamma: int, tree: str | None = None) -> list[str]:
-    """Launch lines for an EAGLE-3 head: vLLM's ``method: eagle3`` and SGLang's EAGLE3; no HF assisted generation.
+    """The card's usage section for an EAGLE-3 head: what it is, then :func:`decode.kinds.eagle3.usage` (vLLM's
+    ``method: eagle3``, SGLang's EAGLE3, draftsmith; no HF assisted generation)."""
+    from decode.kinds import eagle3
 
-    ``tree``: the ``tree:TOPK,DEPTH,NODES`` the figures were measured with, if any: SGLang and draftsmith then
-    draft that tree; vLLM drafts a chain of ``gamma`` (the tree's depth).
-    """
-    spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": gamma})
-    topk, steps, verified, draftsmith = 1, gamma, gamma + 1, str(gamma)
-    if tree is not None:
-        shape = parse_tree(tree)
-        topk, steps = shape.topk, shape.depth
-        verified, draftsmith = shape.nodes + 1, str(shape)  # SGLang counts the root among its draft tokens
-    return [
-        "## Usage",
-        "",
-        "An EAGLE-3 head reads the target's own hidden states, so it runs inside an engine that serves it next to "
-        "the target. HF assisted generation (`generate(assistant_model=...)`) cannot run this kind: it needs a "
-        "standalone causal LM as the assistant.",
-        "",
-        *_vllm_serve(target, spec),
-        "",
-        "SGLang:",
-        "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\",
-        f"    --speculative-draft-model-path {repo_id} --speculative-num-steps {steps} \\",
-        f"    --speculative-eagle-topk {topk} --speculative-num-draft-tokens {verified}",
-        "```",
-        "",
-        "draftsmith's own decoder:",
-        "",
-        "```bash",
-        f"python -m decode bench --target {target} --draft {repo_id} --prompts PROMPTS.jsonl "
-        f"--num-draft-tokens {draftsmith}",
-        "```",
-        "",
-    ]
+    return ["## Usage", "", eagle3.WHAT_IT_IS, "", *eagle3.usage(target, repo_id, gamma, tree)]
 
 
 def _vllm_serve(target: str, spec: str) -> list[str]:
@@ -338,6 +326,11 @@ def _usage(target: str, repo_id: str, gamma: int) -> list[str]:
     ]
 
 
+def _shell(word: str) -> str:
+    """A command-line word, quoted when it holds what a shell would split or redirect (a placeholder)."""
+    return f"'{word}'" if any(c in word for c in " <>") else word
+
+
 def _assistant_line(info: dict) -> str:
     """What the published generation_config sets for HF assisted generation, and why."""
     if info.get("draft_kind") == "eagle3":
@@ -346,6 +339,20 @@ def _assistant_line(info: dict) -> str:
     if isinstance(chosen.get("assistant"), dict):
         return f"`{json.dumps(chosen['assistant'])}`: {chosen.get('why', '')}"
     return f"`num_assistant_tokens: {info['num_assistant_tokens']}` (the measured γ), constant, no early stop"
+
+
+def _speed_claim(best: dict) -> str:
+    """The card's first claim: what the draft does for its target's speed, as measured."""
+    lossless = "Speculative decoding is lossless: the text is the target's own"
+    slower = slower_than_target(best)
+    if slower is None:
+        return f"{lossless}; the draft only makes it come out faster."
+    engine = ENGINE_NAMES.get(engine_of(best), engine_of(best))
+    return (
+        f"{lossless}. **This draft makes the target slower**: "
+        f"{slower:.2f}x target-only decoding, as measured below by {engine}; it accepts too few tokens for what a "
+        "draft forward costs on that hardware."
+    )
 
 
 def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) -> str:
@@ -360,8 +367,7 @@ def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) 
     lines = [
         f"# {repo_id.split('/')[-1]}",
         "",
-        f"A draft model for speculative decoding with **{target}** as the target, {made}. Speculative decoding "
-        "is lossless: the text is the target's own; the draft only makes it come out faster.",
+        f"A draft model for speculative decoding with **{target}** as the target, {made}. " + _speed_claim(best),
         "",
     ]
     lines += _figures(info)
@@ -370,20 +376,31 @@ def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) 
         lines += [""] + eagle3_usage(target, repo_id, gamma, spec if is_tree_spec(spec) else None)
     else:
         lines += [""] + _usage(target, repo_id, gamma)
+    supply = info.get("reproduce_inputs") or {}
     prompts_file = info["prompts"] if str(info["prompts"]).endswith(".jsonl") else "PROMPTS.jsonl"
+    prompts_file = supply.get("data.eval_prompts", prompts_file)
+    bench_target = supply.get("target.model", target)
     lines += [
         "## Reproduce",
         "",
-        "Train (the recipe below is also in this repo as `resolved_recipe.yaml`) and measure:",
+        "Train with the recipe below (also in this repo as `resolved_recipe.yaml`) from a draftsmith checkout, "
+        "and measure:",
         "",
         "```bash",
         "accelerate launch train/distill.py --recipe resolved_recipe.yaml",
-        f"python -m decode bench --target {target} --draft {repo_id} --prompts {prompts_file} "
+        f"python -m decode bench --target {_shell(bench_target)} --draft {repo_id} --prompts {_shell(prompts_file)} "
         f"--num-draft-tokens {best['num_draft_tokens']} --temperature {best['temperature']} "
         f"--max-new-tokens {best['new_tokens']}",
         "```",
         "",
     ]
+    if supply:
+        keys = ", ".join(f"`{k}`" for k in supply)
+        lines += [
+            f"The run read {keys} from files of its own machine: replace each `<your copy of NAME>` with the path "
+            "of your copy of that file (or the model's Hub id).",
+            "",
+        ]
     if recipe_text:
         lines += ["Recipe:", "", "```yaml", recipe_text.rstrip(), "```", ""]
     else:

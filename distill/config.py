@@ -102,8 +102,8 @@ class DraftConfig(ModelConfig):
     )
     aux_layers: list[int] | None = _f(
         None,
-        "kind=eagle3: the 3 target layers whose hidden states the head fuses, as hidden_states indices (0 = the "
-        "embeddings, L = the last layer's output; vLLM's convention); null: (2, L//2, L-3)",
+        "kind=eagle3: the 3 target layers whose hidden states the head fuses, as rising hidden_states indices in "
+        "0..L-1 (0 = the embeddings, j = the input of layer j; vLLM's convention); null: (2, L//2, L-3)",
     )
     init: Literal["pretrained", "truncate"] = _f(
         "pretrained", "pretrained: load draft.model; truncate: the target's embeddings, first init_layers layers, head"
@@ -610,6 +610,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 pass
         raise RecipeError(f"{key}: expected a number, got {value!r}")
     if tp is str:
+        if value is None:  # an empty value (`data.eval_prompts=` on the command line, `eval_prompts:` in YAML)
+            return ""
         if isinstance(value, str):
             return value
         if isinstance(value, int | float) and not isinstance(value, bool):

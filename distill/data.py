@@ -91,7 +91,7 @@ def load_rows(
         elif path.is_dir():
             ds = datasets.load_dataset(str(path))
         else:
-            from distill.models import hub_offline
+            from distill.hub import hub_offline
 
             if source.startswith((".", "/", "~")) or source.count("/") > 1 or hub_offline():
                 why = " (HF_HUB_OFFLINE=1, so hub datasets cannot be fetched)" if hub_offline() else ""

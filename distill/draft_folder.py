@@ -87,12 +87,14 @@ def declared_dtype(model_id: str | None, trust_remote_code: bool = False) -> str
 def match_vocab(model, target_vocab: int) -> tuple[int, int]:
     """Resize the draft's embeddings (and untied lm_head) to the target's vocabulary size.
 
-    Padded rows are the mean of the existing rows: the padded ids never come out of the tokenizer, and an
-    lm_head row equal to the mean row gives the mean logit, which can never be the draft's greedy choice.
-    Rows beyond the target's vocabulary are dropped (the target's tokenizer never produces them).
+    Padded rows are the mean of the existing rows, as :func:`decode.compat.with_rows` pads them (the padded ids
+    never come out of the tokenizer, and the mean row's logit is never the draft's greedy choice). Rows beyond
+    the target's vocabulary are dropped (the target's tokenizer never produces them).
     Returns (old, new) vocab sizes.
     """
     import torch
+
+    from decode.compat import with_rows
 
     old = model.get_input_embeddings().weight.shape[0]
     if old != target_vocab:
@@ -100,12 +102,12 @@ def match_vocab(model, target_vocab: int) -> tuple[int, int]:
         if target_vocab > old:
             with torch.no_grad():
                 emb = model.get_input_embeddings().weight
-                emb[old:] = emb[:old].mean(0)
+                emb.copy_(with_rows(emb[:old], target_vocab))
                 head = model.get_output_embeddings()
                 if head is not None and head.weight.data_ptr() != emb.data_ptr():
-                    head.weight[old:] = head.weight[:old].mean(0)
+                    head.weight.copy_(with_rows(head.weight[:old], target_vocab))
                 if head is not None and getattr(head, "bias", None) is not None:
-                    head.bias[old:] = head.bias[:old].mean()
+                    head.bias.copy_(with_rows(head.bias[:old], target_vocab))
     model.config.get_text_config().vocab_size = target_vocab
     return old, target_vocab
 

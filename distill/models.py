@@ -20,8 +20,6 @@ An explicit dtype is always obeyed.
 from __future__ import annotations
 
 import copy
-import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -31,55 +29,13 @@ from transformers import BitsAndBytesConfig, PreTrainedModel
 
 from decode import sources
 from decode.compat import check_vocab_compatible, cpu_has_native_bf16
-from decode.sources import check_gguf, is_gguf
+from decode.sources import resolve_model_path
 from distill.config import ModelConfig, QuantConfig
-from distill.hub import hub_offline
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ---------------------------------------------------------------- resolution: paths, hub ids, devices, dtypes
-
-
-def resolve_model_path(name: str, key: str, revision: str | None = None) -> str:
-    """A local model directory or a hub id that can be loaded now; else a one-line ValueError naming `key`.
-
-    Args:
-        name: the recipe value (`target.model`, `draft.model`, ...).
-        key: the recipe key, used in the message.
-        revision: hub revision, for the offline-cache check.
-    """
-    if not name:
-        raise ValueError(f"{key} is empty: set it to a local model directory or a Hugging Face hub id")
-    if is_gguf(name):
-        return str(check_gguf(name, key))
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file() and not (path / "tokenizer_config.json").is_file():
-            raise ValueError(
-                f"{key} {name!r} is a directory without config.json: point it at a saved Hugging Face model "
-                "(the folder written by save_pretrained)"
-            )
-        return str(path)
-    if path.exists():
-        raise ValueError(f"{key} {name!r} is a file: point it at a model directory (with config.json) or a hub id")
-    if not _HUB_ID.match(name) or name.startswith((".", "~")):
-        raise ValueError(
-            f"{key} {name!r} not found: no such directory (relative to {os.getcwd()}); fix the path or use a hub id"
-        )
-    if hub_offline():
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(name, "config.json", revision=revision)
-        if not isinstance(cached, str):
-            cached = try_to_load_from_cache(name, "tokenizer_config.json", revision=revision)
-        if not isinstance(cached, str):
-            raise ValueError(
-                f"{key} {name!r} not found: not a local directory, and as a hub id it is not in the local cache "
-                f"while HF_HUB_OFFLINE=1; download it first (hf download {name}) or point {key} at a local copy"
-            )
-    return name
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
@@ -432,3 +388,33 @@ def save_draft(draft: nn.Module, directory: str | Path, tokenizer: Any = None) -
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return directory
+
+
+def check_hidden_states(target_config: Any, cfg: ModelConfig, why: str) -> None:
+    """The target's forward returns its per-layer hidden states, for a draft kind that reads them (`why`).
+
+    Probed on one token of a weightless copy of the target (its class built from its config on the meta device):
+    no weights are read. A forward that cannot run on the meta device is left to the loaded model's checks.
+
+    Raises:
+        ValueError: the forward gives no `hidden_states`, or not one per layer plus the embeddings.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    layers = text.num_hidden_layers
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(target_config, trust_remote_code=cfg.trust_remote_code)
+            out = model(input_ids=torch.zeros(1, 1, dtype=torch.long), output_hidden_states=True)
+    except Exception:  # noqa: BLE001 - an op with no meta kernel says nothing about the outputs: unknown, not bad
+        return
+    states = getattr(out, "hidden_states", None)
+    if not isinstance(states, tuple | list) or len(states) != layers + 1:
+        got = f"{len(states)}" if isinstance(states, tuple | list) else "no"
+        raise ValueError(
+            f"target.model {cfg.model!r} ({type(model).__name__}): its forward returns {got} hidden states with "
+            f"output_hidden_states=True, not the {layers + 1} (the embeddings and each of its {layers} layers) "
+            f"that {why} reads: use a target class that returns them, or draft.kind=standalone"
+        )

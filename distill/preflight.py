@@ -10,7 +10,10 @@ files only.
   transformers can load, and the `gguf` package installed);
 * the pair's vocabularies: the same tokens, and output widths that cover the target's tokenizer (the decoder's
   rule, :func:`decode.compat.check_vocab_compatible`, applied to the configs);
-* chat prompts ('messages' rows, generate:magpie) need the target's chat template.
+* chat prompts ('messages' rows, generate:magpie) need the target's chat template;
+* a standalone draft is not an EAGLE-3 head folder; for draft.kind=eagle3, the target's forward returns its
+  per-layer hidden states (probed on one token of a weightless, meta-device copy), and a head folder in
+  draft.model was made for this target (vocabulary, hidden size, aux layer ids in its config.json).
 
 What is not known yet is skipped, never guessed: an empty model path (build_pair: quickstart fills it in later),
 the draft of `draft.init: truncate` (built from the target, it has the target's vocabulary by construction), and

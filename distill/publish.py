@@ -35,7 +35,7 @@ from typing import Any
 from decode.draft_vocab import FILE as DRAFT_VOCAB
 from decode.draft_vocab import load_saved_head
 from decode.kinds.eagle3 import is_eagle3
-from distill.card import engine_of, render_model_card
+from distill.card import engine_of, render_model_card, slower_than_target
 from distill.draft_folder import (
     assistant_settings,
     best_gamma,
@@ -61,6 +61,7 @@ from distill.publish_source import (
     check_plain_draft_config,
     check_repo_id,
     public_name,
+    reproducible_recipe,
     resolve_source,
     scrub,
     scrub_text,
@@ -207,6 +208,8 @@ def _describe_method(recipe: dict, lora: bool) -> str:
     q = isinstance(quant, dict) and (quant.get("load_in_4bit") or quant.get("load_in_8bit"))
     kind = "QLoRA" if q else "LoRA"
     how = f"{kind} r={recipe_get(recipe, 'draft.lora.r', '?')}, merged" if lora else "full fine-tune"
+    if recipe_get(recipe, "draft.init") == "truncate":
+        how = f"the target cut to its first {recipe_get(recipe, 'draft.init_layers', '?')} layers, {how}"
     return f"{loss} distillation on {source} sequences, {how}" if loss else how
 
 
@@ -246,6 +249,36 @@ def _license(base_id: str | None) -> str | None:
         return ModelCard.load(readme).data.license
     except Exception:  # noqa: BLE001 - a malformed card: no license rather than no publish
         return None
+
+
+HALF = ("bfloat16", "float16")
+
+
+def publish_dtype(ev: dict, base_dtype: str | None) -> tuple[str | None, str]:
+    """The half-precision dtype a float32 draft is published in, and why; None: keep float32.
+
+    The dtype its figures were measured in (the bench JSON's `draft_dtype`: training measures a float32 draft in
+    its bf16/fp16 target's dtype), else the dtype its base model declares (a cut draft's base is the target)."""
+    measured = ev.get("draft_dtype")
+    if measured in HALF:
+        return measured, "the dtype its figures were measured in (the target's)"
+    if base_dtype in HALF:
+        return base_dtype, "the dtype of the base draft"
+    return None, ""
+
+
+def draft_trust(recipe: dict) -> bool:
+    return bool(recipe_get(recipe, "draft.trust_remote_code", False))
+
+
+def warn_if_slower(info: dict) -> None:
+    """Say at publish time that the draft makes its target slower; the card says it too (distill.card)."""
+    speedup = slower_than_target(info["best"])
+    if speedup is not None:
+        log.warning(
+            f"the draft makes its target slower ({speedup:.2f}x target-only decoding, as measured): the card says "
+            "so; train it longer, or publish a better checkpoint"
+        )
 
 
 def _check_empty_dest(out_dir: Path) -> None:
@@ -337,11 +370,14 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
     prompts = remeasure_prompts(src, reason, options.remeasure_prompts) if reason and options.remeasure else None
     model, base_id = load_merged_draft(src)
     check_plain_draft_config(model.config.to_dict())
-    base_dtype = declared_dtype(base_id, bool(recipe_get(recipe, "draft.trust_remote_code", False)))
-    if model.dtype == torch.float32 and base_dtype in ("bfloat16", "float16"):
-        # A fully fine-tuned draft trains in fp32 master weights; publish it in the dtype it came in (half the size).
-        model.to(getattr(torch, base_dtype))
-        notes.append(f"weights cast from float32 to {base_dtype}, the dtype of the base draft")
+    if recipe_get(recipe, "draft.init") == "truncate":  # cut from the target: the target is what it derives from
+        base_id = target
+    dtype, why = publish_dtype(src.eval, declared_dtype(base_id, trust if base_id == target else draft_trust(recipe)))
+    if model.dtype == torch.float32 and dtype is not None:
+        # A fully fine-tuned draft trains in fp32 master weights; publish it in the dtype it was measured in, or
+        # the one it came in (half the size).
+        model.to(getattr(torch, dtype))
+        notes.append(f"weights cast from float32 to {dtype}, {why}")
     lora = (src.model_dir / "adapter_config.json").is_file() or bool(recipe_get(recipe, "draft.lora.enabled"))
 
     target_vocab = _target_vocab(target, t_rev, trust, notes)
@@ -365,7 +401,8 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
     model.generation_config = generation_config_for(model, target_gen, assistant)
     model.save_pretrained(dest)
     del model
-    if (src.model_dir / DRAFT_VOCAB).is_file():  # draftsmith's decoder reads it; HF, vLLM and SGLang ignore it
+    draft_vocab_file = (src.model_dir / DRAFT_VOCAB).is_file()
+    if draft_vocab_file:  # draftsmith's decoder reads it; HF, vLLM and SGLang ignore it
         shutil.copy2(src.model_dir / DRAFT_VOCAB, dest / DRAFT_VOCAB)
     tokenizer_from = copy_tokenizer(target, src, dest, trust, notes)
     n_tokens = len(AutoTokenizer.from_pretrained(dest, trust_remote_code=trust))
@@ -405,6 +442,7 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
         "masked_head": load_saved_head(src.model_dir)
         if recipe_get(recipe, "distill.loss_vocab") == "subset"
         else None,
+        "draft_vocab_file": draft_vocab_file,  # draft_vocab.json is uploaded beside the weights
         "num_assistant_tokens": gamma,
         "generation_config": {"assistant": assistant, "why": assistant_why},
         "hardware": hardware,
@@ -430,9 +468,16 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
 
 
 def _write_card_files(src: PublishSource, dest: Path, repo_id: str, info: dict) -> None:
-    """The scrubbed figures (draftsmith_eval.json), the resolved recipe and the model card (README.md)."""
+    """The scrubbed figures (draftsmith_eval.json), the resolved recipe as it reruns elsewhere
+    (:func:`distill.publish_source.reproducible_recipe`) and the model card (README.md)."""
+    import yaml
+
+    warn_if_slower(info)
+    recipe_text = None
+    if src.recipe_path:
+        recipe, info["reproduce_inputs"] = reproducible_recipe(src.recipe)
+        recipe_text = scrub_text(yaml.safe_dump(recipe, sort_keys=False))
     info = scrub(info)
-    recipe_text = scrub_text(src.recipe_path.read_text()) if src.recipe_path else None
     if recipe_text:
         (dest / "resolved_recipe.yaml").write_text(recipe_text)
     (dest / "draftsmith_eval.json").write_text(json.dumps(info, indent=2) + "\n")

@@ -9,6 +9,7 @@ or config.json that would make vLLM load the draft as another speculative method
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass, field
@@ -196,3 +197,49 @@ def scrub(obj: Any) -> Any:
     if isinstance(obj, list):
         return [scrub(v) for v in obj]
     return obj
+
+
+# ---------------------------------------------------------------- the recipe as it reruns elsewhere
+
+# Recipe keys that name a model or a file to read (output_dir, a place to write, is kept by its base name).
+INPUT_KEYS = ("target.model", "draft.model", "data.train_prompts", "data.eval_prompts")
+
+
+def _is_absolute(value: str) -> bool:
+    return bool(re.match(r"^(?:[\\/~]|[A-Za-z]:[\\/])", value))
+
+
+def placeholder(name: str) -> str:
+    """What an uploaded recipe or command says in place of a local path: the file to supply, by its name."""
+    return f"<your copy of {_base_name(name) or 'a local file'}>"
+
+
+def reproducible_recipe(recipe: dict) -> tuple[dict, dict[str, str]]:
+    """The resolved recipe as it reruns on another machine, and the inputs to supply ({recipe key: placeholder}).
+
+    What the run filled in goes back to empty, as the recipe had it: a cut draft's draft.model (draft.init:
+    truncate builds it from the target again), the quickstart's models and prompt files (build_pair:
+    quickstart), distill.cache_dir. An input read from an absolute path of this machine becomes a placeholder
+    naming the file (`<your copy of NAME>`), never a bare base name that would fail as a relative path; an
+    absolute output_dir becomes its base name, written under the working directory. Hub ids, relative paths
+    and generated prompt sets stay as they are.
+    """
+    out = copy.deepcopy(recipe)
+    needed: dict[str, str] = {}
+    if (out.get("draft") or {}).get("init") == "truncate":
+        out["draft"]["model"] = ""
+    if isinstance((out.get("distill") or {}).get("cache_dir"), str) and _is_absolute(out["distill"]["cache_dir"]):
+        out["distill"]["cache_dir"] = ""
+    quickstart = out.get("build_pair") == "quickstart"
+    for key in INPUT_KEYS:
+        section, leaf = key.split(".")
+        node = out.get(section)
+        value = node.get(leaf) if isinstance(node, dict) else None
+        if not isinstance(value, str) or not _is_absolute(value):
+            continue
+        node[leaf] = "" if quickstart else placeholder(value)
+        if not quickstart:
+            needed[key] = node[leaf]
+    if isinstance(out.get("output_dir"), str) and _is_absolute(out["output_dir"]):
+        out["output_dir"] = _base_name(out["output_dir"]) or "run"
+    return out, needed

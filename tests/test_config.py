@@ -43,6 +43,25 @@ def test_yaml_and_overrides_coerce_types(tmp_path):
     assert recipe.log.run_name is None
 
 
+def test_an_empty_value_is_the_empty_string(tmp_path):
+    """docs/data.md: with data.eval_prompts empty, eval_split of the training rows is held out. `key=` on the
+    command line and `key:` in YAML are both that empty value."""
+    from distill.data import load_train_eval
+
+    base = load_recipe(write(tmp_path, "data:\n  eval_prompts: held.jsonl\n"))
+    assert base.data.eval_prompts == "held.jsonl"
+    assert (
+        load_recipe(write(tmp_path, "data:\n  eval_prompts: held.jsonl\n"), ["data.eval_prompts="]).data.eval_prompts
+        == ""
+    )
+    assert load_recipe(write(tmp_path, "data:\n  eval_prompts:\n")).data.eval_prompts == ""
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(f'{{"prompt": "row {i}"}}\n' for i in range(40)))
+    cfg = load_recipe(None, [f"data.train_prompts={rows}", "data.eval_prompts=", "data.eval_split=0.1"]).data
+    train, held = load_train_eval(cfg)
+    assert (len(train), len(held)) == (36, 4)
+
+
 def test_int_field_accepts_whole_float_and_rejects_fraction():
     assert load_recipe(None, ["train.max_steps=5.0"]).train.max_steps == 5
     with pytest.raises(RecipeError, match="train.max_steps: expected an integer"):

@@ -24,7 +24,8 @@ from decode.metrics import (
     theoretical_speedup,
 )
 from decode.prompts import encode_prompts, load_prompts
-from tests.tiny import char_tokenizer, save_tiny_pair, swap_ids, tiny_pair
+from decode.sources import load_tokenizer
+from tests.tiny import char_tokenizer, save_padded_pair, save_tiny_pair, swap_ids, tiny_pair
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -351,6 +352,63 @@ def test_cli_entry_point_runs(tmp_path, saved_pair):
     result = json.loads(proc.stdout)
     assert result["tokens_per_s"]["hf_assisted"] is None
     assert (result["dtype"], result["draft_dtype"]) == ("bfloat16", "float32")
+
+
+@pytest.fixture(scope="module")
+def padded_pair(tmp_path_factory):
+    return save_padded_pair(tmp_path_factory.mktemp("padded"))
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_cli_hf_baseline_runs_a_pair_padded_to_different_widths(tmp_path, padded_pair, temperature):
+    """A target padded past its tokenizer (384 rows over 320 tokens) and its draft padded otherwise (352): HF
+    assisted generation is timed (it refuses configs of another vocab_size), sampled too (its acceptance test
+    compares the two models' distributions row by row)."""
+    target, draft = padded_pair
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps(p) for p in PROMPTS[:2]])
+    out = tmp_path / "r.json"
+    argv = ["bench", "--target", target, "--draft", draft, "--prompts", str(prompts), "--max-new-tokens", "6",
+            "--repeats", "1", "--temperature", temperature, "--json", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["tokens_per_s"]["hf_assisted"] > 0 and result["tokens_per_s"]["hf_assisted_published"] > 0
+    if temperature == "0":
+        assert result["outputs_match_target"] is True
+
+
+def test_hf_baseline_leaves_a_padded_pairs_draft_as_it_was(padded_pair):
+    """The draft is padded to the target's width for HF's calls alone: draftsmith's loop and the caller keep the
+    draft as it is (352 rows, config vocab_size 352)."""
+    from decode.sources import load_model
+
+    target, draft = (load_model(path).eval() for path in padded_pair)
+    before = {n: p.clone() for n, p in draft.state_dict().items()}
+    layers = (draft.get_input_embeddings(), draft.get_output_embeddings())
+    result = run_bench(
+        target, draft, load_tokenizer(padded_pair[0]), PROMPTS[:1], target_name="t", draft_name="d",
+        max_new_tokens=6, num_draft_tokens=2, repeats=1, progress=False,
+    )  # fmt: skip
+    assert result["tokens_per_s"]["hf_assisted"] > 0
+    assert (draft.get_input_embeddings(), draft.get_output_embeddings()) == layers
+    assert draft.config.vocab_size == 352 and draft.get_output_embeddings().weight.shape[0] == 352
+    assert all(torch.equal(p, before[n]) for n, p in draft.state_dict().items())
+
+
+def test_in_run_evaluation_with_hf_assisted_on_a_padded_pair(padded_pair):
+    """train/distill.py's evaluation (eval.hf_assisted, on by default) of the same pair."""
+    from distill.config import ModelConfig, Recipe
+    from distill.models import load_draft, load_target
+    from distill.training import evaluate
+
+    recipe = Recipe()
+    recipe.target.model, recipe.draft.model = padded_pair
+    recipe.eval.max_new_tokens, recipe.eval.num_draft_tokens, recipe.eval.repeats = 6, 2, 1
+    assert recipe.eval.hf_assisted
+    target = load_target(ModelConfig(model=padded_pair[0]), device="cpu")
+    draft = load_draft(ModelConfig(model=padded_pair[1]), device="cpu")
+    result = evaluate(target, draft, load_tokenizer(padded_pair[0]), PROMPTS[:2], recipe)
+    assert result["tokens_per_s"]["hf_assisted"] > 0
+    assert result["speedup"]["vs_hf_assisted"] > 0
 
 
 def test_kernels_off_means_no_same_kernels_baseline(monkeypatch):

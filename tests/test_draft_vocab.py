@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 from decode.__main__ import draft_vocab_ids
 from decode.draft_vocab import (
     FILE,
+    MARGIN,
     SubsetHead,
     frequent_ids,
     load_ids,
@@ -170,6 +171,20 @@ def test_masked_head_saves_an_untied_head_scoring_only_the_subset(tmp_path, caps
         with_masked_head(torch.nn.Module(), ids, text)
     with pytest.raises(ValueError, match="no text"):
         with_masked_head(model, ids, [])
+
+
+def test_docs_describe_the_saved_head_as_with_masked_head_writes_it():
+    """The pages and the recipe that describe a subset-trained draft's saved head say what with_masked_head does
+    (the test above): its other rows are one fitted row MARGIN below the top trained logit, not zeroed rows."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for name in ("docs/engines.md", "docs/smollm2.md", "recipes/smollm2-135m-instruct_trunc2_fkl.yaml"):
+        text = " ".join(line.lstrip("# ") for line in (root / name).read_text().splitlines())
+        text = " ".join(text.split())
+        for false in ("rows zeroed", "rows are zero", "rows are zero,", "other rows zeroed"):
+            assert false not in text, (name, false)
+        assert f"{MARGIN:g} below the top trained logit" in text, name
 
 
 @pytest.mark.shared

@@ -219,6 +219,25 @@ def test_save_load_round_trip_in_the_served_layout(tmp_path, llama_pair):
     assert a.stats.per_position_accepted == b.stats.per_position_accepted and a.new_tokens == b.new_tokens
 
 
+def test_a_head_folder_says_what_it_is_and_how_to_load_it(tmp_path, llama_pair):
+    """A head folder (a checkpoint, best/) holds a README.md and config.json's draftsmith.about: an EAGLE-3 head,
+    not a model AutoModelForCausalLM loads (it cannot), served by vLLM / SGLang, loaded by eagle3.load."""
+    target, head = llama_pair
+    eagle3.save(head, tmp_path, target_name="org/target")
+    readme = (tmp_path / "README.md").read_text()
+    assert readme.startswith("# EAGLE-3 draft head\n\n" + eagle3.ABOUT)
+    assert "Trained with draftsmith for the target `org/target`" in readme and "[1, 2, 3]" in readme
+    assert "Nor can `AutoModelForCausalLM.from_pretrained` load it" in readme
+    assert "vllm serve org/target --speculative-config" in readme and '"method": "eagle3"' in readme
+    assert "--speculative-algorithm EAGLE3" in readme
+    assert 'head = eagle3.load("PATH/TO/THIS/FOLDER", target)' in readme
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["draftsmith"] == {"draft_kind": "eagle3", "about": eagle3.ABOUT}
+    with pytest.raises(Exception):  # noqa: B017 - what the README says: transformers cannot load the folder
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert eagle3.load(tmp_path, target).aux_layers == head.aux_layers
+
+
 def test_a_head_over_the_whole_vocabulary_is_saved_without_d2t(tmp_path, llama_pair):
     """vLLM makes no d2t parameter for a head whose draft vocabulary is the target's and refuses the tensor."""
     from safetensors.torch import load_file, save_file
@@ -254,6 +273,53 @@ def test_bad_heads_and_layer_ids(tmp_path, llama_pair):
     eagle3.save(head, tmp_path)
     with pytest.raises(ValueError, match="pass the target it was trained on"):
         eagle3.load(tmp_path, other)
+
+
+def test_a_head_config_without_aux_ids_and_sharded_weights_loads_as_vllm_loads_it(tmp_path):
+    """A head exported elsewhere: config.json without eagle_aux_hidden_state_layer_ids (vLLM then reads the target's
+    layers (2, L//2, L-3)) and its tensors in two safetensors shards listed by model.safetensors.index.json."""
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_target("llama", layers=8)
+    torch.manual_seed(0)
+    head = eagle3.build(target, range(0, 97, 3))
+    eagle3.save(head, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("eagle_aux_hidden_state_layer_ids", "eagle_config"):
+        config.pop(key)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(tmp_path / file), metadata={"format": "pt"})
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    loaded = eagle3.load(tmp_path, target)
+    assert loaded.aux_layers == eagle3.default_aux_layers(8) == [2, 4, 5]
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in head.state_dict().items())
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    a = speculative_generate(target, head, prompt, max_new_tokens=12, num_draft_tokens=3, eos_token_id=[])
+    b = speculative_generate(target, loaded, prompt, max_new_tokens=12, num_draft_tokens=3, eos_token_id=[])
+    assert a.new_tokens == b.new_tokens and a.stats.per_position_accepted == b.stats.per_position_accepted
+
+
+def test_docs_give_the_aux_ids_check_aux_layers_accepts():
+    """docs/eagle3.md's draft.aux_layers row and the recipe key's help name the range check_aux_layers enforces:
+    0..L-1, the last layer's output (id L) refused."""
+    from pathlib import Path
+
+    from distill.config import DraftConfig
+
+    assert eagle3.check_aux_layers([0, 4, 7], 8) == [0, 4, 7]
+    with pytest.raises(ValueError, match=r"0\.\.7"):
+        eagle3.check_aux_layers([2, 4, 8], 8)
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "eagle3.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| `draft.aux_layers`"))
+    assert "0..L-1" in row and "L, the last layer's output, is refused" in row
+    help_text = DraftConfig.__dataclass_fields__["aux_layers"].metadata["help"]
+    assert "0..L-1" in help_text and "L = the last" not in help_text
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import yaml
 from distill.config import load_recipe
 from distill.preflight import check_inputs
 from tests.procs import load_script
-from tests.tiny import CHAR_VOCAB, bpe_tokenizer, char_tokenizer, swap_ids, tiny_config
+from tests.tiny import BPE_VOCAB, CHAR_VOCAB, bpe_tokenizer, char_tokenizer, swap_ids, tiny_config
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is needed to write test GGUF files (pip install gguf)")
 
@@ -48,6 +48,41 @@ def made_up_gguf(path: Path, arch: str = "madeup") -> str:
     return str(path)
 
 
+NO_HIDDEN_STATES = """from transformers import LlamaForCausalLM
+
+
+class NoHiddenStatesForCausalLM(LlamaForCausalLM):
+    def forward(self, *args, output_hidden_states=None, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.hidden_states = None  # whatever output_hidden_states says
+        return out
+"""
+
+
+def no_hidden_states(directory: Path, tokenizer) -> str:
+    """A weightless 4-layer target whose model class (its own code, trust_remote_code) returns no hidden states."""
+    path = weightless(directory, tokenizer, num_hidden_layers=4)
+    config = json.loads((directory / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_nohidden.NoHiddenStatesForCausalLM"}
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "modeling_nohidden.py").write_text(NO_HIDDEN_STATES)
+    return path
+
+
+def eagle3_head(directory: Path, vocab: int = CHAR_VOCAB, aux: list[int] | None = None, **config) -> str:
+    """An EAGLE-3 head folder (config.json + model.safetensors, as train/distill.py's best/) for a random 4-layer
+    target of `vocab` tokens and `config`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from decode.kinds import eagle3
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(tiny_config("llama", vocab, **{"num_hidden_layers": 4, **config}))
+    eagle3.save(eagle3.build(target, list(range(16)), aux), directory)
+    return str(directory)
+
+
 def jsonl(path: Path, rows: list[dict]) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
@@ -65,6 +100,12 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "narrow": weightless(root / "narrow", char_tokenizer(), vocab_size=CHAR_VOCAB - 10),
         "padded": weightless(root / "padded", char_tokenizer(), vocab_size=CHAR_VOCAB + 32),
         "bpe": weightless(root / "bpe", bpe := bpe_tokenizer(), vocab_size=len(bpe)),  # wider than the char ones
+        "deep": weightless(root / "deep", char_tokenizer(), num_hidden_layers=4),  # deep enough for a head
+        "nohidden": no_hidden_states(root / "nohidden", char_tokenizer()),
+        "head": eagle3_head(root / "head"),
+        "head_bpe": eagle3_head(root / "head_bpe", vocab=len(bpe)),
+        "head_wide": eagle3_head(root / "head_wide", hidden_size=96),
+        "head_deep": eagle3_head(root / "head_deep", aux=[2, 4, 6], num_hidden_layers=8),
         "odd": made_up_gguf(root / "odd.gguf"),
         "raw": jsonl(root / "raw.jsonl", [{"prompt": "def f(x):"}, {"prompt": "import os"}]),
         "chat": jsonl(root / "chat.jsonl", [{"prompt": "def f(x):"}, CHAT_ROW]),
@@ -108,6 +149,7 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 # Each bad setup: recipe sections, then what the error line must say.
+EAGLE3 = {"kind": "eagle3", "vocab_subset": 16}
 BAD = {
     "draft tokenizer differs": (
         {"draft": {"model": "swapped"}},
@@ -130,6 +172,26 @@ BAD = {
         ["generate:magpie", "no chat template", "instruction-tuned target", "generate:stdlib"],
     ),
     "empty target.model": ({"target": {"model": ""}}, ["target.model is empty", "hub id"]),
+    "EAGLE-3 head as a standalone draft": (
+        {"target": {"model": "deep"}, "draft": {"model": "head"}},
+        ["draft.model", "head", "is an EAGLE-3 head folder", "set draft.kind=eagle3"],
+    ),
+    "target returning no hidden states, for a head": (
+        {"target": {"model": "nohidden", "trust_remote_code": True}, "draft": {"model": "", **EAGLE3}},
+        ["target.model", "nohidden", "NoHiddenStatesForCausalLM", "returns no hidden states", "draft.kind=standalone"],
+    ),
+    "head for a target of another vocabulary": (
+        {"target": {"model": "deep"}, "draft": {"model": "head_bpe", **EAGLE3}},
+        ["draft.model and target.model", "head_bpe", f"vocabulary {BPE_VOCAB}", "pass the target it was trained on"],
+    ),
+    "head for a target of another hidden size": (
+        {"target": {"model": "deep"}, "draft": {"model": "head_wide", **EAGLE3}},
+        ["draft.model and target.model", "head_wide", "hidden size 96", "(97, 64)", "pass the target"],
+    ),
+    "head for a deeper target": (
+        {"target": {"model": "deep"}, "draft": {"model": "head_deep", **EAGLE3}},
+        ["draft.model and target.model", "head_deep", "reads target layers [2, 4, 6]", "(4 layers)"],
+    ),
     "unknown GGUF architecture as target": (
         {"target": {"model": "odd"}},
         ["target.model", "odd.gguf", "'madeup'", "supported: ", "llama"],
@@ -213,6 +275,10 @@ def test_valid_setups_pass(inputs, tmp_path, tiny_gguf):
             "target": {"quantization": {"load_in_4bit": True}}, "draft": {"lora": {"enabled": True}},
         },
         "GGUF target": {"target": {"model": str(gguf_path)}, "draft": {"model": gguf_draft}},
+        "EAGLE-3 head built from the target": {"target": {"model": inputs["deep"]}, "draft": {"model": "", **EAGLE3}},
+        "EAGLE-3 head folder made for the target": {
+            "target": {"model": inputs["deep"]}, "draft": {"model": inputs["head"], **EAGLE3},
+        },
     }  # fmt: skip
     for name, sections in setups.items():
         try:
@@ -241,6 +307,19 @@ BENCH_BAD = {
     "chat rows, no chat template": ("target", "draft", "chat", ["error: chat prompts need a chat template"]),
     "unknown GGUF architecture as target": ("odd", "draft", "raw", ["error: --target", "'madeup'", "supported: "]),
     "unknown GGUF architecture as draft": ("target", "odd", "raw", ["error: --draft", "'madeup'", "supported: "]),
+    "draft path with a typo, hub-id shaped": (
+        "target",
+        "typo/path",
+        "raw",
+        ["error: --draft 'typo/path' not found", "not in the local cache"],
+    ),
+    "draft path with a typo": ("target", "./typo/path", "raw", ["error: --draft './typo/path' not found", "fix the"]),
+    "EAGLE-3 head for another target": (
+        "deep",
+        "head_bpe",
+        "raw",
+        ["error: EAGLE-3 head", "head_bpe", f"vocabulary {BPE_VOCAB}", "pass the target"],
+    ),
 }
 
 
@@ -250,7 +329,7 @@ def test_bench_refuses_before_loading_weights(inputs, tmp_path, capsys, case):
 
     target, draft, prompts, needles = BENCH_BAD[case]
     out = tmp_path / "r.json"
-    argv = ["bench", "--target", inputs[target], "--draft", inputs[draft], "--prompts", inputs[prompts],
+    argv = ["bench", "--target", inputs[target], "--draft", inputs.get(draft, draft), "--prompts", inputs[prompts],
             "--json", str(out), "--samples-out", str(tmp_path / "s.jsonl"), "--plot", str(tmp_path / "p.png"),
             "--no-progress"]  # fmt: skip
     assert main(argv) == 2

@@ -159,7 +159,8 @@ def test_dry_run_folder_contents(published, run_dir):
     assert gen["assistant_confidence_threshold"] == 0.0  # HF drafts exactly gamma tokens, as measured
     assert (gen["eos_token_id"], gen["pad_token_id"], gen["bos_token_id"]) == (2, 0, 1)
     uploaded_recipe = yaml.safe_load((published / "resolved_recipe.yaml").read_text())
-    assert uploaded_recipe["target"]["model"] == "target" and uploaded_recipe["output_dir"] == "run"  # base names
+    # no local path, and no bare base name that would fail as a relative path: a placeholder names the input
+    assert uploaded_recipe["target"]["model"] == "<your copy of target>" and uploaded_recipe["output_dir"] == "run"
 
 
 def test_card_figures_equal_report(published, run_dir):
@@ -336,7 +337,10 @@ def test_card_front_matter_with_hub_ids():
     assert "draft_vocab.json" not in card
     info["best"] = {**info["best"], "draft_vocab_size": 8192}
     card = pub.render_model_card(info, "me/gemma-2-2b-it-draft")
-    assert "drafted from the 8192 tokens of `draft_vocab.json`" in card
+    assert "drafted from the 8192 tokens of a draft vocabulary" in card and "draft_vocab.json" not in card
+    info["draft_vocab_file"] = True  # the card cites the file only where it is uploaded
+    card = pub.render_model_card(info, "me/gemma-2-2b-it-draft")
+    assert "drafted from the 8192 tokens of `draft_vocab.json` (in this repo)" in card
     assert "trained over those tokens alone" not in card
     head = {"margin": 30.0, "heldout_positions": 4096, "outside_mass_mean": 7e-13, "outside_mass_max": 1e-9,
             "argmax_outside": 0.0, "fit_positions": 16384}  # fmt: skip
@@ -813,8 +817,8 @@ def eagle3_run(run_dir, tmp_path_factory) -> Path:
     recipe.output_dir = str(run)
     save_recipe(recipe, run)
     head = eagle3.build(target, list(range(0, TARGET_VOCAB, 2)), aux_layers=[1, 2, 3])
-    eagle3.save(head, run / "best")
-    best = {**BEST, "draft_kind": "eagle3"}
+    eagle3.save(head, run / "best", target_name=str(target_dir))
+    best = {**BEST, "draft_kind": "eagle3", "draft_vocab_size": TARGET_VOCAB // 2}  # as the bench records a head
     (run / "best" / "eval.json").write_text(json.dumps(best))
     (run / "report.json").write_text(json.dumps({"best": best, "best_step": 40, "checkpoints": []}))
     return run
@@ -856,3 +860,90 @@ def test_an_eagle3_card_measured_with_a_tree_gives_the_tree_launch_lines():
     assert "--speculative-num-steps 4 \\" in text
     assert "--speculative-eagle-topk 3 --speculative-num-draft-tokens 9" in text
     assert '"num_speculative_tokens": 4' in text and "--num-draft-tokens tree:3,4,8" in text
+
+
+def test_an_eagle3_card_says_what_the_head_drafts_from_and_how_to_load_it(eagle3_run, tmp_path):
+    """The head has no full output layer and no draft_vocab.json: its lm_head is the draft vocabulary (d2t/t2d),
+    which every engine drafts from. The card and the folder's config.json say it is not an AutoModelForCausalLM
+    (which indeed cannot load it), and how vLLM, SGLang and draftsmith load it."""
+    from decode.kinds import eagle3
+
+    out = Path(pub.publish(eagle3_run, "someone/tiny-eagle3", dry_run_dir=tmp_path / "pub"))
+    card = (out / "README.md").read_text()
+    assert "draft_vocab.json" not in card and not (out / "draft_vocab.json").exists()
+    assert "full output layer" not in card
+    assert f"{TARGET_VOCAB // 2} of the target's tokens" in card and "`d2t` and `t2d`" in card
+    assert "Nor can `AutoModelForCausalLM.from_pretrained` load it" in card
+    assert 'head = eagle3.load("someone/tiny-eagle3", target)' in card
+    assert json.loads((out / "config.json").read_text())["draftsmith"]["about"] == eagle3.ABOUT
+    with pytest.raises(Exception):  # noqa: B017 - what the card says: transformers cannot load the folder
+        AutoModelForCausalLM.from_pretrained(out)
+
+
+def slower_checkpoint(run_dir: Path, tmp_path: Path, speedup: float) -> Path:
+    """run_dir's best/ as the best/ of another run whose eval measured `speedup` vs target-only decoding."""
+    ckpt = tmp_path / "slow-run" / "best"
+    shutil.copytree(run_dir / "best", ckpt)
+    save_recipe(load_recipe(run_dir / "resolved_recipe.yaml"), ckpt.parent)
+    ev = {**BEST, "speedup": {"vs_target": speedup, "vs_target_ci95": [0.8, 0.95], "vs_hf_assisted": 0.7}}
+    (ckpt / "eval.json").write_text(json.dumps(ev))
+    return ckpt
+
+
+def test_a_draft_slower_than_its_target_is_published_with_a_warning_and_said_so(run_dir, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="draftsmith.publish"):
+        out = Path(pub.publish(slower_checkpoint(run_dir, tmp_path, 0.87), REPO_ID, dry_run_dir=tmp_path / "out"))
+    assert "makes its target slower (0.87x target-only decoding" in caplog.text
+    card = (out / "README.md").read_text()
+    assert "only makes it come out faster" not in card
+    assert "**This draft makes the target slower**: 0.87x target-only decoding" in card
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="draftsmith.publish"):
+        out = Path(pub.publish(slower_checkpoint(run_dir, tmp_path / "b", 1.3), REPO_ID, dry_run_dir=tmp_path / "o2"))
+    assert "slower" not in caplog.text and "only makes it come out faster" in (out / "README.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def cut_run(run_dir, tmp_path_factory) -> Path:
+    """A run of a cut draft (draft.init=truncate) for a Hub target, trained in float32 and measured in bf16 next to
+    the bf16 target: best/ (a float32 model), eval.json, report.json, the resolved recipe with draft.model filled
+    in by the run (RUN/draft_init, an absolute path)."""
+    root = tmp_path_factory.mktemp("cut")
+    run = root / "run"
+    shutil.copytree(run_dir / "best", run / "best")
+    overrides = [
+        "target.model=HuggingFaceTB/SmolLM2-135M-Instruct", "draft.init=truncate", "draft.init_layers=2",
+        f"draft.model={run / 'draft_init'}", "draft.lora.enabled=false", f"data.train_prompts={root / 'train.jsonl'}",
+        f"output_dir={run}",
+    ]  # fmt: skip
+    save_recipe(load_recipe(None, overrides), run)
+    best = {**BEST, "dtype": "bfloat16", "draft_dtype": "bfloat16"}
+    (run / "best" / "eval.json").write_text(json.dumps(best))
+    (run / "report.json").write_text(json.dumps({"best": best, "best_step": 40, "checkpoints": []}))
+    return run
+
+
+def test_a_cut_draft_is_published_in_the_dtype_it_was_measured_with_its_target_as_base(cut_run, tmp_path):
+    assert AutoModelForCausalLM.from_pretrained(cut_run / "best", dtype="auto").dtype == torch.float32
+    out = Path(pub.publish(cut_run, REPO_ID, dry_run_dir=tmp_path / "out"))
+    assert AutoModelForCausalLM.from_pretrained(out, dtype="auto").dtype == torch.bfloat16
+    info = json.loads((out / "draftsmith_eval.json").read_text())
+    assert any("cast from float32 to bfloat16, the dtype its figures were measured in" in n for n in info["notes"])
+    assert "the target cut to its first 2 layers" in info["method"]
+    meta = front_matter((out / "README.md").read_text())
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and meta["base_model_relation"] == "finetune"
+
+
+def test_a_cut_drafts_reproduce_recipe_runs_as_written(cut_run, tmp_path):
+    """The card's recipe (= the uploaded resolved_recipe.yaml) loads, leaves draft.model empty for draft.init=
+    truncate to build again (distill.draft_init refuses a draft.model there), and names each local input by a
+    placeholder, never by a bare base name."""
+    out = Path(pub.publish(cut_run, REPO_ID, dry_run_dir=tmp_path / "out"))
+    card = (out / "README.md").read_text()
+    block = card.split("```yaml\n")[1].split("```")[0]
+    assert yaml.safe_load(block) == yaml.safe_load((out / "resolved_recipe.yaml").read_text())
+    recipe = load_recipe(out / "resolved_recipe.yaml")
+    assert recipe.draft.init == "truncate" and recipe.draft.model == ""
+    assert recipe.target.model == "HuggingFaceTB/SmolLM2-135M-Instruct" and recipe.output_dir == "run"
+    assert recipe.data.train_prompts == "<your copy of train.jsonl>" and "draft_init" not in block
+    assert "replace each `<your copy of NAME>`" in card and "`data.train_prompts`" in card

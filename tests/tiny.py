@@ -3,7 +3,8 @@
 Tokenizers: a byte-level BPE (`bpe_tokenizer`, saved by `make_tokenizer`), a character-level one
 (`char_tokenizer`) and word-level ones (`word_tokenizer`); `swap_ids` gives "the same size but a different
 tokenizer". Models: `tiny_config` (2 layers, 64 dims, 4 heads, of any seed-pair architecture), `tiny_llama`,
-`tiny_pair` (a target and a noisy copy as its draft), and `make_pair` / `save_tiny_pair`, which save a pair.
+`tiny_pair` (a target and a noisy copy as its draft), and `make_pair` / `save_tiny_pair` / `save_padded_pair`
+(embeddings padded past the tokenizer), which save a pair.
 
 Where tests differ (vocabulary, layers, seed, tied embeddings, special ids, chat template, bos) it is a parameter,
 so each test says what it relies on.
@@ -245,6 +246,30 @@ def save_tiny_pair(root: Path, arch: str = "llama") -> tuple[str, str]:
     for name, model in (("target", target), ("draft", draft)):
         model.config.eos_token_id = model.config.pad_token_id = model.config.bos_token_id = 0
         model.generation_config.eos_token_id = model.generation_config.pad_token_id = 0
+        out = Path(root) / name
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        paths.append(str(out))
+    return paths[0], paths[1]
+
+
+def save_padded_pair(root: Path, target_rows: int = 384, draft_rows: int = 352) -> tuple[str, str]:
+    """A Qwen2-style target (2 layers) and draft (1 layer) over the `BPE_VOCAB`-token BPE tokenizer, each with its
+    embedding and lm_head padded past the tokenizer to its own width (as Qwen2.5-7B's 152064 rows and its 0.5B
+    sibling's 151936 over 151665 tokens); saved under `root`, paths returned. The padded rows are the mean row
+    (`decode.compat.with_rows`), so neither model chooses a padded id greedily."""
+    from transformers import AutoModelForCausalLM
+
+    from decode.compat import with_rows
+
+    tok = bpe_tokenizer(BPE_VOCAB)
+    paths = []
+    for name, rows, layers, seed in (("target", target_rows, 2, 0), ("draft", draft_rows, 1, 1)):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen2", rows, layers=layers)).eval()
+        with torch.no_grad():
+            for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
+                layer.weight.copy_(with_rows(layer.weight[: len(tok)], rows))
         out = Path(root) / name
         model.save_pretrained(out)
         tok.save_pretrained(out)

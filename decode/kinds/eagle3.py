@@ -423,6 +423,92 @@ def check_hidden_states(target: nn.Module) -> None:
         )
 
 
+ABOUT = (
+    "An EAGLE-3 draft head for speculative decoding, not a standalone language model: one decoder layer over three "
+    "of its target's hidden states, with no token embedding of its own (it shares the target's). "
+    "transformers' AutoModelForCausalLM cannot load it and HF assisted generation cannot run it; vLLM (speculative "
+    "method eagle3) and SGLang (--speculative-algorithm EAGLE3) serve it next to its target, and draftsmith loads it "
+    "with decode.kinds.eagle3.load(folder, target)."
+)  # config.json's draftsmith.about, and the start of the folder's README.md
+WHAT_IT_IS = (
+    "An EAGLE-3 head reads the target's own hidden states, so it runs inside an engine that serves it next to the "
+    "target. HF assisted generation (`generate(assistant_model=...)`) cannot run this kind: it needs a standalone "
+    "causal LM as the assistant. Nor can `AutoModelForCausalLM.from_pretrained` load it: it is one decoder layer "
+    "without the token embedding it shares with the target (transformers would report missing and mismatched "
+    "weights)."
+)  # the model card's and the README's words
+
+
+def usage(target: str, model: str, gamma: int, tree: str | None = None) -> list[str]:
+    """Markdown launch lines for the head in ``model`` with ``target``: vLLM's ``method: eagle3``, SGLang's EAGLE3,
+    draftsmith's bench and its Python loader.
+
+    ``tree``: the ``tree:TOPK,DEPTH,NODES`` the figures were measured with, if any: SGLang and draftsmith then
+    draft that tree; vLLM drafts a chain of ``gamma`` (the tree's depth).
+    """
+    from decode.draft_length import parse_tree
+
+    spec = json.dumps({"method": "eagle3", "model": model, "num_speculative_tokens": gamma})
+    topk, steps, verified, draftsmith = 1, gamma, gamma + 1, str(gamma)
+    if tree is not None:
+        shape = parse_tree(tree)
+        topk, steps = shape.topk, shape.depth
+        verified, draftsmith = shape.nodes + 1, str(shape)  # SGLang counts the root among its draft tokens
+    return [
+        "vLLM:",
+        "",
+        "```bash",
+        f"vllm serve {target} --speculative-config '{spec}'",
+        "```",
+        "",
+        "SGLang:",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\",
+        f"    --speculative-draft-model-path {model} --speculative-num-steps {steps} \\",
+        f"    --speculative-eagle-topk {topk} --speculative-num-draft-tokens {verified}",
+        "```",
+        "",
+        "draftsmith's own decoder (a checkout of draftsmith), from the command line or in Python:",
+        "",
+        "```bash",
+        f"python -m decode bench --target {target} --draft {model} --prompts PROMPTS.jsonl "
+        f"--num-draft-tokens {draftsmith}",
+        "```",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM",
+        "from decode.kinds import eagle3",
+        "",
+        f'target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto")',
+        f"head = eagle3.load(\"{model}\", target)  # shares the target's embedding; on the target's device",
+        "```",
+        "",
+    ]
+
+
+def readme(config: dict, target_name: str | None) -> str:
+    """README.md of a head folder (a checkpoint, best/): what it is and how to serve or load it."""
+    target = target_name or "TARGET"
+    aux, size, vocab = config["eagle_aux_hidden_state_layer_ids"], config["draft_vocab_size"], config["vocab_size"]
+    lines = [
+        "# EAGLE-3 draft head",
+        "",
+        ABOUT,
+        "",
+        f"Trained with draftsmith for the target `{target}`: it reads the target's `hidden_states` {aux} (the "
+        f"inputs of those layers, vLLM's `eagle_aux_hidden_state_layer_ids`) and drafts from {size} of the "
+        f"target's {vocab} tokens. {WHAT_IT_IS}",
+        "",
+        *usage(target, "PATH/TO/THIS/FOLDER", TTT_STEPS),
+        f"Files: `config.json` (a one-layer Llama config, architectures `[{ARCHITECTURE}]`, with `draft_vocab_size`, "
+        "`target_hidden_size`, the aux layer ids in vLLM's convention at the top level and in SGLang's in "
+        f"`eagle_config`) and `{WEIGHTS}` (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; no embedding).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def served_config(head: Eagle3Head) -> dict:
     """config.json as vLLM and SGLang read it (module docstring: the layer-id conventions)."""
     config = head.config.to_dict()
@@ -432,13 +518,16 @@ def served_config(head: Eagle3Head) -> dict:
     config["eagle_aux_hidden_state_layer_ids"] = aux  # vLLM: the input of layer j
     config["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [a - 1 for a in aux]}
     config["rope_theta"] = float(head.config.rope_parameters.get("rope_theta", 10000.0))
-    config["draftsmith"] = {"draft_kind": NAME}
+    config["draftsmith"] = {"draft_kind": NAME, "about": ABOUT}
     config["torch_dtype"] = str(head.fc.weight.dtype).replace("torch.", "")
     return config
 
 
-def save(head: Eagle3Head, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write the served checkpoint (config.json + model.safetensors) into ``directory``; no embedding."""
+def save(
+    head: Eagle3Head, directory: str | Path, dtype: torch.dtype | None = None, target_name: str | None = None
+) -> Path:
+    """Write the served checkpoint (config.json + model.safetensors, no embedding) and a README.md saying what it
+    is and how to serve or load it (:func:`readme`; ``target_name``: the target it names) into ``directory``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     dtype = dtype or head.fc.weight.dtype
@@ -457,6 +546,7 @@ def save(head: Eagle3Head, directory: str | Path, dtype: torch.dtype | None = No
     config["torch_dtype"] = str(dtype).replace("torch.", "")
     save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (directory / "README.md").write_text(readme(config, target_name))
     return directory
 
 
@@ -472,30 +562,76 @@ def is_eagle3(path: str | Path) -> bool:
     return any("Eagle3" in a for a in archs)
 
 
+def folder_config(directory: str | Path, target_config, target_name: str) -> LlamaConfig:
+    """The head config saved in ``directory``, completed as vLLM completes it and checked against the target's
+    config (``target_config``: the target's ``config``, from ``AutoConfig`` or a loaded model); reads no weights.
+
+    Left out of config.json, ``eagle_aux_hidden_state_layer_ids`` defaults to vLLM's (2, L//2, L-3) of the target
+    (:func:`default_aux_layers`), ``draft_vocab_size`` to ``vocab_size`` and ``target_hidden_size`` to
+    ``hidden_size``.
+
+    Raises:
+        ValueError: one line: the head was made for another target (vocabulary, hidden size, aux layer ids).
+    """
+    directory = Path(directory)
+    raw = json.loads((directory / "config.json").read_text())
+    for key in ("eagle_config", "draftsmith", "architectures", "torch_dtype", "model_type"):
+        raw.pop(key, None)
+    config = LlamaConfig(**raw)
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    layers = int(tc.num_hidden_layers)
+    if getattr(config, "target_hidden_size", None) is None:
+        config.target_hidden_size = config.hidden_size
+    if getattr(config, "draft_vocab_size", None) is None:
+        config.draft_vocab_size = config.vocab_size
+    if not getattr(config, "eagle_aux_hidden_state_layer_ids", None):
+        config.eagle_aux_hidden_state_layer_ids = default_aux_layers(layers)
+    fit = (int(config.vocab_size), int(config.target_hidden_size), int(config.hidden_size))
+    if fit != (int(tc.vocab_size), int(tc.hidden_size), int(tc.hidden_size)):
+        raise ValueError(
+            f"EAGLE-3 head {str(directory)!r} was trained for a target with vocabulary {config.vocab_size} and hidden "
+            f"size {config.target_hidden_size}, not {target_name!r} ({tc.vocab_size}, {tc.hidden_size}): "
+            "pass the target it was trained on"
+        )
+    aux = [int(a) for a in config.eagle_aux_hidden_state_layer_ids]
+    if not (len(aux) == 3 and 0 <= aux[0] < aux[1] < aux[2] < layers):
+        raise ValueError(
+            f"EAGLE-3 head {str(directory)!r} reads target layers {aux}, which {target_name!r} ({layers} layers) "
+            f"does not have as 3 distinct rising ids in 0..{layers - 1}: pass the target it was trained on"
+        )
+    config.eagle_aux_hidden_state_layer_ids = aux
+    return config
+
+
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint: its tensors' files
+
+
+def folder_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The head's tensors: ``model.safetensors``, or the shards ``model.safetensors.index.json`` lists."""
+    directory = Path(directory)
+    if (directory / WEIGHTS).is_file():
+        return load_file(str(directory / WEIGHTS))
+    if not (directory / INDEX).is_file():
+        raise ValueError(f"EAGLE-3 head {str(directory)!r} has no {WEIGHTS} (nor a sharded {INDEX})")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(json.loads((directory / INDEX).read_text())["weight_map"].values())):
+        tensors.update(load_file(str(directory / shard)))
+    return tensors
+
+
 def load(directory: str | Path, target: nn.Module) -> Eagle3Head:
-    """The head saved in ``directory``, on the target's device, sharing the target's embedding.
+    """The head saved in ``directory`` (:func:`folder_config`, :func:`folder_tensors`), on the target's device,
+    sharing the target's embedding.
 
     Raises:
         ValueError: the head does not fit the target (vocabulary, hidden width, layer ids).
     """
     directory = Path(directory)
-    raw = json.loads((directory / "config.json").read_text())
-    for key in ("eagle_config", "draftsmith", "architectures", "torch_dtype"):
-        raw.pop(key, None)
-    config = LlamaConfig(**raw)
-    tc = text_config(target)
-    if int(config.vocab_size) != int(tc.vocab_size) or int(config.target_hidden_size) != int(tc.hidden_size):
-        raise ValueError(
-            f"EAGLE-3 head {str(directory)!r} was trained for a target with vocabulary {config.vocab_size} and hidden "
-            f"size {config.target_hidden_size}, not {model_name(target)!r} ({tc.vocab_size}, {tc.hidden_size}): "
-            "pass the target it was trained on"
-        )
-    config.eagle_aux_hidden_state_layer_ids = check_aux_layers(
-        config.eagle_aux_hidden_state_layer_ids, int(tc.num_hidden_layers)
-    )
-    tensors = load_file(str(directory / WEIGHTS))
+    config = folder_config(directory, target.config, model_name(target))
+    tensors = folder_tensors(directory)
     d2t = tensors.pop("d2t", None)
     tensors.pop("t2d", None)
+    tensors.pop("embed_tokens.weight", None)  # some exporters include the target's embedding; the head shares it
     if d2t is None and int(config.draft_vocab_size) != int(config.vocab_size):
         raise ValueError(
             f"EAGLE-3 head {str(directory)!r} has a draft vocabulary of {config.draft_vocab_size} of "

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from decode.kinds import eagle3 as decoding
-from distill import eagle3_train
+from distill import eagle3_train, models
 from distill.config import Recipe
 from distill.data import draft_vocabulary
 from distill.kinds.interface import StepLoss
@@ -42,7 +42,11 @@ def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[],
     if recipe.draft.model:
         check_folder(recipe.draft.model)
     if target is not None:
-        eagle3_train.check_target_config(target_config(), recipe)
+        config = target_config()
+        eagle3_train.check_target_config(config, recipe)
+        models.check_hidden_states(config, recipe.target, "draft.kind=eagle3")
+        if recipe.draft.model:
+            check_head_fits(recipe.draft.model, config, recipe.target.model)
 
 
 def check_folder(path: str) -> None:
@@ -53,6 +57,17 @@ def check_folder(path: str) -> None:
             f"[{decoding.ARCHITECTURE}]): leave draft.model empty to build the head from the target, or set "
             "draft.kind=standalone"
         )
+
+
+def check_head_fits(path: str, target_config: Any, target_name: str) -> None:
+    """draft.model, an EAGLE-3 head folder, was made for this target: its config.json against the target's
+    (vocabulary, hidden size, aux layer ids; :func:`decode.kinds.eagle3.folder_config`)."""
+    from decode.kinds import eagle3
+
+    try:
+        eagle3.folder_config(path, target_config, target_name)
+    except ValueError as err:
+        raise ValueError(f"draft.model and target.model: {err}") from None
 
 
 def load_draft(recipe: Recipe, device: torch.device) -> tuple[None, None]:
@@ -141,5 +156,5 @@ def served(model: nn.Module) -> decoding.Eagle3Head:
 def save_checkpoint(draft: nn.Module, folder: Path, tokenizer: Any, draft_vocab: tuple | None, recipe: Recipe) -> None:
     """The served format (config.json + model.safetensors) and the target's tokenizer, which engines and the
     model card read."""
-    decoding.save(draft, folder)
+    decoding.save(draft, folder, target_name=recipe.target.model)
     tokenizer.save_pretrained(folder)

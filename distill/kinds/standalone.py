@@ -30,7 +30,21 @@ GENERATES_ROLLOUTS = True
 
 
 def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:
-    """Nothing beyond distill.preflight's checks of any draft LM (its vocabulary against the target's)."""
+    """draft.model must be a causal LM, not an EAGLE-3 head folder; distill.preflight checks its vocabulary against
+    the target's as for any draft LM."""
+    if recipe.draft.model and recipe.draft.init != "truncate":
+        check_not_a_head(recipe.draft.model)
+
+
+def check_not_a_head(path: str) -> None:
+    """A standalone draft (draft.kind=standalone, the default) must be a causal LM, not an EAGLE-3 head folder."""
+    from decode.kinds import eagle3
+
+    if Path(path).is_dir() and eagle3.is_eagle3(path):
+        raise ValueError(
+            f"draft.model {path!r} is an EAGLE-3 head folder, not a standalone draft model: set draft.kind=eagle3 "
+            "to train or measure the head"
+        )
 
 
 def load_draft(recipe: Recipe, device: torch.device) -> tuple[nn.Module, Any]:
