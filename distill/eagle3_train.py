@@ -1,11 +1,13 @@
 """Training an EAGLE-3 head (`draft.kind: eagle3`): what train/distill.py's step feeds the head, and its loss.
 
 Each step the frozen target runs once on the batch's sequences, keeping its hidden states at the head's three aux
-layers (the head's features) and its last one: its logits are the teacher, so nothing is cached on disk. With distill.cache_teacher they are kept in memory instead (:class:`TargetCache`), taken while
-the target generates the continuations (:class:`GenerationRecorder`), and a step runs the head alone. The head
-is unrolled for ``distill.ttt_steps`` steps (the training-time test: steps after the first read the head's own
-output, as in decoding); step k at position i is compared with the target's
-distribution at position i + k + 1, over the head's draft vocabulary plus one tail bucket (:func:`step_log_probs`).
+layers (the head's features) and its last one: its logits are the teacher, so nothing is cached on disk. With
+distill.cache_teacher they are kept in memory instead (:class:`TargetCache`), taken while the target generates the
+continuations (:class:`GenerationRecorder`), and a step runs the head alone. The head is unrolled for
+``distill.ttt_steps`` steps (the training-time test: steps after the first read the head's own output, as in
+decoding); step k at position i is compared with the target's distribution at position i + k + 1, over the head's
+draft vocabulary plus one tail bucket (:func:`step_log_probs`). Memory grows linearly in the sequence length: the
+unroll builds no [S, S] attention scores and forward KL keeps only the head's logits for its backward.
 
     model = Unrolled(head)                                    # what accelerate prepares (DDP wraps its forward)
     loss, stats = step_loss(model, target, batch, recipe.distill)
