@@ -59,8 +59,9 @@ class Unrolled(nn.Module):
         position_ids: torch.Tensor,
         key_valid: torch.Tensor,
         steps: int,
+        recompute: bool = False,
     ) -> list[torch.Tensor]:
-        return self.head.unrolled(ids, features, position_ids, key_valid, steps=steps)
+        return self.head.unrolled(ids, features, position_ids, key_valid, steps=steps, recompute=recompute)
 
 
 def head_of(model: nn.Module) -> eagle3.Eagle3Head:
@@ -300,7 +301,7 @@ def head_loss(
     head = head_of(getattr(model, "module", model))
     valid = batch["attention_mask"].bool()
     positions = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
-    outputs = model(batch["input_ids"], side.features, positions, valid, cfg.ttt_steps)
+    outputs = model(batch["input_ids"], side.features, positions, valid, cfg.ttt_steps, recompute=cfg.recompute)
     draft_ids = head.draft_ids
     log_p = side.log_p.flatten(0, 1)  # [B * S, Vd + 1]: each unrolled step reads the same rows, shifted
     # forward KL's terms that depend on the target alone, once per position (see _FklTeacher)

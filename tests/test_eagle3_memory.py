@@ -58,7 +58,7 @@ def dense_unrolled(
 class DenseUnrolled(eagle3_train.Unrolled):
     """:class:`Unrolled` with the dense reference unroll, for comparing whole training steps."""
 
-    def forward(self, ids, features, position_ids, key_valid, steps):
+    def forward(self, ids, features, position_ids, key_valid, steps, recompute=False):
         return dense_unrolled(self.head, ids, features, position_ids, key_valid, steps)
 
 
@@ -89,7 +89,10 @@ SHAPES = [  # (architecture, config overrides, row lengths, width, unrolled step
 
 
 @pytest.mark.parametrize("arch, overrides, lengths, width, steps", SHAPES)
-def test_unrolled_attention_equals_the_dense_one_values_and_gradients(arch, overrides, lengths, width, steps):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_unrolled_attention_equals_the_dense_one_values_and_gradients(
+    arch, overrides, lengths, width, steps, recompute
+):
     target, head = tiny_head(arch, **overrides)
     g = torch.Generator().manual_seed(len(lengths) * width + steps)
     valid = right_padded(lengths, width)
@@ -99,7 +102,11 @@ def test_unrolled_attention_equals_the_dense_one_values_and_gradients(arch, over
     weights = [torch.randn(*valid.shape, len(head.draft_ids), generator=g) for _ in range(steps)]
     params = [p for p in head.parameters() if p.requires_grad]
     results = []
-    for unroll in (head.unrolled, lambda *a, steps: dense_unrolled(head, *a, steps)):
+    unrolls = (
+        lambda *a, steps: head.unrolled(*a, steps=steps, recompute=recompute),
+        lambda *a, steps: dense_unrolled(head, *a, steps),
+    )
+    for unroll in unrolls:
         out = unroll(ids, features, positions, valid, steps=steps)
         # every real position's output counts (padding positions are never trained)
         loss = sum((o * w)[valid].sum() for o, w in zip(out, weights))
@@ -120,14 +127,14 @@ def test_left_padding_is_refused():
         head.unrolled(ids, torch.zeros(2, 3, 3 * 64), torch.arange(3).expand(2, 3), valid, steps=2)
 
 
-def _unroll_peak(head: eagle3.Eagle3Head, seq: int, steps: int = 3) -> int:
+def _unroll_peak(head: eagle3.Eagle3Head, seq: int, steps: int = 3, recompute: bool = False) -> int:
     """Peak tensor bytes of one unroll's forward and backward over a [2, seq] batch."""
     g = torch.Generator().manual_seed(seq)
     ids = torch.randint(0, 97, (2, seq), generator=g)
     features = torch.randn(2, seq, 3 * 64, generator=g)
     valid = torch.ones(2, seq, dtype=torch.bool)
     with TensorPeak() as peak:
-        out = head.unrolled(ids, features, torch.arange(seq).expand(2, seq), valid, steps=steps)
+        out = head.unrolled(ids, features, torch.arange(seq).expand(2, seq), valid, steps=steps, recompute=recompute)
         sum(o.float().square().mean() for o in out).backward()
     return peak.bytes
 
@@ -137,6 +144,12 @@ def test_unroll_memory_is_linear_in_the_sequence_length():
     _, head = tiny_head("llama")
     short, long = _unroll_peak(head, 192), _unroll_peak(head, 384)
     assert long <= 2.2 * short, (short, long)
+
+
+def test_recompute_keeps_less_for_the_backward():
+    _, head = tiny_head("llama")
+    kept, recomputed = _unroll_peak(head, 256), _unroll_peak(head, 256, recompute=True)
+    assert recomputed < 0.8 * kept, (kept, recomputed)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])

@@ -128,8 +128,8 @@ def test_step_loss_decreases_and_reports_every_unrolled_step():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
-@pytest.mark.parametrize("loss", ["fkl", "jsd"])
-def test_a_step_has_the_loss_and_gradients_of_the_dense_attention(arch, loss):
+@pytest.mark.parametrize("loss, recompute", [("fkl", False), ("jsd", False), ("fkl", True)])
+def test_a_step_has_the_loss_and_gradients_of_the_dense_attention(arch, loss, recompute):
     """The whole training step (unroll, loss, backward) on a right-padded batch of several lengths: the same loss,
     statistics and gradients as with dense [S, S] attention scores."""
     from transformers import AutoModelForCausalLM
@@ -153,7 +153,7 @@ def test_a_step_has_the_loss_and_gradients_of_the_dense_attention(arch, loss):
         for p in head.parameters():
             if p.requires_grad:
                 p.mul_(2.0)  # more peaked attention and distributions, where differences would show
-    cfg = DistillConfig(loss=loss, temperature=0.8)
+    cfg = DistillConfig(loss=loss, temperature=0.8, recompute=recompute)
     params = [p for p in head.parameters() if p.requires_grad]
     results = []
     for model in (eagle3_train.Unrolled(head), DenseUnrolled(head)):

@@ -22,6 +22,7 @@ both (:func:`served_config`).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -162,11 +164,15 @@ class Eagle3Head(nn.Module):
         embeds = layer.input_layernorm(self.embed_tokens(ids).to(hidden.dtype))
         return torch.cat([embeds, layer.hidden_norm(hidden)], -1), hidden
 
-    def _layer_out(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(draft logits [B, S, Vd], pre-norm hidden [B, S, H]) after attention."""
+    def _prenorm(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The layer's pre-norm output [B, S, H] after attention."""
         layer = self.midlayer
         residual = residual + layer.self_attn.out(attn)
-        prenorm = residual + layer.mlp(layer.post_attention_layernorm(residual))
+        return residual + layer.mlp(layer.post_attention_layernorm(residual))
+
+    def _layer_out(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft logits [B, S, Vd], pre-norm hidden [B, S, H]) after attention."""
+        prenorm = self._prenorm(attn, residual)
         return self.lm_head(self.norm(prenorm)), prenorm
 
     def forward(
@@ -234,6 +240,7 @@ class Eagle3Head(nn.Module):
         position_ids: torch.Tensor,
         key_valid: torch.Tensor,
         steps: int = TTT_STEPS,
+        recompute: bool = False,
     ) -> list[torch.Tensor]:
         """Training-time test: the head's draft logits at every position for ``steps`` chained steps.
 
@@ -246,6 +253,8 @@ class Eagle3Head(nn.Module):
             ids: [B, S] the training sequence; features: [B, S, 3 * H_target] the target's aux hidden states.
             position_ids: [B, S]; key_valid: [B, S] bool, False on padding, which must be on the right (as
                 :func:`distill.data.collate_training` pads): a real position then never sees a padding key.
+            recompute: keep only each step's layer inputs for the backward and run the layer again there
+                (activation checkpointing; the output layer is not rerun): less memory, the same numbers.
 
         Returns:
             ``steps`` tensors [B, S, Vd]; positions whose token x_{i+k+1} lies past the sequence are garbage
@@ -254,29 +263,48 @@ class Eagle3Head(nn.Module):
         Memory is linear in S: no [S, S] scores are built (:func:`ttt_attention`).
         """
         check_right_padded(key_valid)
-        attn_mod = self.midlayer.self_attn
+        layer = self._ttt_layer
+        if recompute and torch.is_grad_enabled():
+            layer = functools.partial(checkpoint, self._ttt_layer, use_reentrant=False)
         hidden, fused = features, True
         keys0 = values0 = None
         diag_k: list[torch.Tensor] = []
         diag_v: list[torch.Tensor] = []
         out = []
         for k in range(steps):
-            x, residual = self._layer_in(shift_left(ids, k + 1), hidden, fused)
-            cos, sin = self.rotary(x, position_ids + k)
-            q, key, value = attn_mod.qkv(x, cos, sin)
-            if k == 0:
-                keys0, values0 = attn_mod.expand(key), attn_mod.expand(value)
-                attn = F.scaled_dot_product_attention(q, keys0, values0, is_causal=True)
-                if steps > 1:
-                    keys0, values0 = with_null_key(keys0, values0)
-            else:
-                diag_k.append(attn_mod.expand(key))
-                diag_v.append(attn_mod.expand(value))
-                attn = ttt_attention(q, keys0, values0, diag_k, diag_v).to(q.dtype)
-            logits, hidden = self._layer_out(attn, residual)
+            args = (shift_left(ids, k + 1), hidden, position_ids + k, fused, keys0, values0)
+            hidden, key, value = layer(*args, tuple(diag_k), tuple(diag_v))
+            if k == 0 and steps > 1:
+                keys0, values0 = with_null_key(key, value)
+            elif k > 0:
+                diag_k.append(key)
+                diag_v.append(value)
+            out.append(self.lm_head(self.norm(hidden)))
             fused = False
-            out.append(logits)
         return out
+
+    def _ttt_layer(
+        self,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        fused: bool,
+        keys0: torch.Tensor | None,
+        values0: torch.Tensor | None,
+        diag_k: tuple[torch.Tensor, ...],
+        diag_v: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One unrolled step's layer (step 0 when ``keys0`` is None): (pre-norm hidden [B, S, H], the step's keys
+        and values [B, h, S, d], expanded to the query heads)."""
+        attn_mod = self.midlayer.self_attn
+        x, residual = self._layer_in(ids, hidden, fused)
+        q, key, value = attn_mod.qkv(x, *self.rotary(x, position_ids))
+        key, value = attn_mod.expand(key), attn_mod.expand(value)
+        if keys0 is None:
+            attn = F.scaled_dot_product_attention(q, key, value, is_causal=True)
+        else:
+            attn = ttt_attention(q, keys0, values0, (*diag_k, key), (*diag_v, value)).to(q.dtype)
+        return self._prenorm(attn, residual), key, value
 
 
 # ---------------------------------------------------------------------------------------------------------------
