@@ -39,9 +39,10 @@ No target runs: the target's side of the batch (its aux hidden states in bf16, i
 draft vocabulary) is random of the right shapes, and the head reads a bf16 embedding of the target's vocabulary
 (the target's own, which the head shares). Each (head, length) runs in a fresh worker: a warm-up step at 64
 tokens (so AdamW's state exists), then the measured step: `distill.eagle3_train.head_loss` (3 unrolled steps,
-forward KL, every position), backward, AdamW step. It reports the step's peak RSS (VmHWM reset just before it)
-and the RSS before it (the head, its AdamW state, the embedding, the batch's target side), whose
-difference is the step's own memory; on CUDA also `max_memory_allocated`.
+forward KL, every position; `--recompute`: with `distill.recompute`), backward, the training loop's AdamW step.
+It reports the step's peak RSS (VmHWM reset just before it) and the RSS before it (the head, its AdamW state, the
+embedding, the batch's target side), whose difference is the step's own memory; on CUDA also
+`max_memory_allocated`. `--timeout` bounds each worker (an 8B-shaped head at 4096 tokens takes ~30 min on 2 cores).
 """
 
 from __future__ import annotations
@@ -315,7 +316,7 @@ def _random_side(head, batch: int, seq: int, device):
     return data, TargetSide(features, log_p, top, computed=0)
 
 
-def eagle3_worker(shape: str, seq: int, threads: int | None) -> dict:
+def eagle3_worker(shape: str, seq: int, threads: int | None, recompute: bool = False) -> dict:
     """One training step of ``HEAD_SHAPES[shape]``'s head at ``seq`` tokens per row (module docstring)."""
     import torch
     from torch import nn
@@ -323,8 +324,9 @@ def eagle3_worker(shape: str, seq: int, threads: int | None) -> dict:
 
     from decode.kinds import eagle3
     from distill import eagle3_train
-    from distill.config import DistillConfig
+    from distill.config import DistillConfig, TrainConfig
     from distill.models import resolve_device
+    from distill.training import build_optimizer
 
     if threads:
         torch.set_num_threads(threads)
@@ -340,9 +342,10 @@ def eagle3_worker(shape: str, seq: int, threads: int | None) -> dict:
     draft_ids = torch.randperm(config.vocab_size)[: spec["draft_vocab"]].sort().values.tolist()
     head = eagle3.Eagle3Head(config, embed, draft_ids).to(device)
     model = eagle3_train.Unrolled(head)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    cfg = DistillConfig()
+    opt = build_optimizer(model, TrainConfig())  # the training loop's AdamW
+    cfg = DistillConfig(recompute=recompute)
     res: dict = {"device": str(device), "threads": torch.get_num_threads(), "head": shape, "seq": seq}
+    res["recompute"] = recompute
     res["batch"] = batch = spec["batch"]
     res["head_params_m"] = sum(p.numel() for p in head.parameters()) / 1e6
 
@@ -367,14 +370,16 @@ def eagle3_worker(shape: str, seq: int, threads: int | None) -> dict:
 
 def eagle3_table(rows: list[dict]) -> str:
     cuda = any("step_cuda_max_alloc_mb" in r for r in rows)
-    head = ["head", "batch", "S", "peak RSS MiB", "RSS before the step MiB", "the step's own MiB", "step s"]
+    head = ["head", "batch", "S", "recompute", "peak RSS MiB", "RSS before the step MiB", "the step's own MiB"]
+    head += ["step s"]
     head += ["CUDA max alloc MiB"] if cuda else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['head']} | — | {r['seq']} | failed: {r['error']} |")
+            lines.append(f"| {r['head']} | — | {r['seq']} | — | failed: {r['error']} |")
             continue
-        cells = [r["head"], str(r["batch"]), str(r["seq"]), _fmt(r["step_peak_rss_mb"]), _fmt(r["rss_before_step_mb"])]
+        cells = [r["head"], str(r["batch"]), str(r["seq"]), "yes" if r["recompute"] else "no"]
+        cells += [_fmt(r["step_peak_rss_mb"]), _fmt(r["rss_before_step_mb"])]
         cells += [_fmt(r["step_peak_rss_mb"] - r["rss_before_step_mb"]), _fmt(r["step_s"], ".1f")]
         cells += [_fmt(r.get("step_cuda_max_alloc_mb"))] if cuda else []
         lines.append("| " + " | ".join(cells) + " |")
@@ -408,7 +413,7 @@ def eagle3_main(args) -> int:
                 row = {"head": shape, "seq": seq}
                 out = Path(tmp) / f"{shape}-{seq}.json"
                 cmd = [sys.executable, __file__, "--eagle3-worker", shape, str(seq), "--worker-out", str(out)]
-                cmd += ["--threads", str(args.threads)] if args.threads else []
+                cmd += (["--threads", str(args.threads)] if args.threads else []) + (["--recompute"] * args.recompute)
                 print(f"[{time.perf_counter() - start:6.1f}s] {shape} S={seq} ...", file=sys.stderr, flush=True)
                 try:
                     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
@@ -503,6 +508,7 @@ def main() -> int:
     ap.add_argument("--eagle3", action="store_true", help="measure an EAGLE-3 head's training step instead")
     ap.add_argument("--heads", default="smollm2,llama8b", help="--eagle3: comma list of " + ", ".join(HEAD_SHAPES))
     ap.add_argument("--seq", default="1024,2048,4096", help="--eagle3: comma list of sequence lengths")
+    ap.add_argument("--recompute", action="store_true", help="--eagle3: with distill.recompute (rerun each layer)")
     ap.add_argument("--eagle3-worker", nargs=2, metavar=("HEAD", "SEQ"), help=argparse.SUPPRESS)
     ap.add_argument("--worker", nargs=2, metavar=("TARGET", "DTYPE"), help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -518,7 +524,7 @@ def main() -> int:
         Path(args.worker_out).write_text(json.dumps(res))
         return 0
     if args.eagle3_worker:
-        res = eagle3_worker(args.eagle3_worker[0], int(args.eagle3_worker[1]), args.threads)
+        res = eagle3_worker(args.eagle3_worker[0], int(args.eagle3_worker[1]), args.threads, args.recompute)
         Path(args.worker_out).write_text(json.dumps(res))
         return 0
     if args.eagle3:
