@@ -16,7 +16,7 @@ embeddings); SGLang counts the output of layer j, one less, and reads ``eagle_co
 both (:func:`served_config`).
 
     head = build(target, draft_ids)                     # fresh head: target's embedding, head rows from the target
-    logits, prenorm = head.unrolled(ids, features, position_ids, key_valid, steps=3)   # training
+    step_logits = head.unrolled(ids, features, position_ids, key_valid, steps=3)   # training: [B, S, Vd] per step
     save(head, folder); head = load(folder, target)     # the served format
 """
 
