@@ -27,6 +27,22 @@ On CUDA the workers also report `torch.cuda.max_memory_allocated()` per phase; o
 only (the whole process: Python, torch, both models, activations, optimizer state). Options: `--threads N`
 (torch.set_num_threads; default torch's choice), `--steps`, `--models ref,large`, `--dtypes bf16,nf4`.
 Exits 0 with a message when the pair or its prompt files are absent.
+
+`--eagle3` measures instead one training step of an EAGLE-3 head at each sequence length of `--seq` (default
+1024,2048,4096), for the head shapes of `--heads` (`HEAD_SHAPES`: `smollm2`, SmolLM2-135M's head at batch 4 over
+an 8192-token draft vocabulary; `llama8b`, Llama-3.1-8B's head at batch 1 over 32000 tokens), both from configs
+with random weights:
+
+    HF_HUB_OFFLINE=1 python bench/bench_memory.py --eagle3 --heads llama8b --seq 1024,2048,4096 --json e3.json
+
+No target runs: the target's side of the batch (its aux hidden states in bf16, its log-probabilities over the
+draft vocabulary) is random of the right shapes, and the head reads a bf16 embedding of the target's vocabulary
+(the target's own, which the head shares). Each (head, length) runs in a fresh worker: a warm-up step at 64
+tokens (so AdamW's state exists), then the measured step: `distill.eagle3_train.head_loss` (3 unrolled steps,
+forward KL, every position; `--recompute`: with `distill.recompute`), backward, the training loop's AdamW step.
+It reports the step's peak RSS (VmHWM reset just before it) and the RSS before it (the head, its AdamW state, the
+embedding, the batch's target side), whose difference is the step's own memory; on CUDA also
+`max_memory_allocated`. `--timeout` bounds each worker (an 8B-shaped head at 4096 tokens takes ~30 min on 2 cores).
 """
 
 from __future__ import annotations
@@ -67,6 +83,46 @@ LARGE_CONFIG = dict(
     pad_token_id=0,
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+# Targets whose EAGLE-3 head --eagle3 trains (never built: the head is made from the config alone), and its batch.
+HEAD_SHAPES = {
+    "smollm2": dict(
+        config=dict(
+            hidden_size=576,
+            num_hidden_layers=30,
+            intermediate_size=1536,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+            rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+            max_position_embeddings=8192,
+        ),
+        draft_vocab=8192,
+        batch=4,
+    ),
+    "llama8b": dict(
+        config=dict(
+            hidden_size=4096,
+            num_hidden_layers=32,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            max_position_embeddings=131072,
+        ),
+        draft_vocab=32000,
+        batch=1,
+    ),
+}
+GB = 1e9
 
 BATCH, SEQ = 8, 192  # distillation batch
 NEW_TOKENS, N_DEV, GAMMA = 64, 4, 5  # decoding
@@ -243,6 +299,145 @@ def worker(target_path: str, dtype: str, steps: int, threads: int | None) -> dic
     return res
 
 
+def _random_side(head, batch: int, seq: int, device):
+    """A training batch of ``seq`` tokens per row and a random target side for it (bf16 features)."""
+    import torch
+
+    from distill.eagle3_train import TargetSide
+
+    config, vd = head.config, len(head.draft_ids)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    loss_mask = torch.ones_like(ids)
+    loss_mask[:, -1] = 0  # every position but the last predicts a token (loss_positions: all)
+    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+    features = torch.randn(batch, seq, 3 * config.target_hidden_size, device=device, dtype=torch.bfloat16)
+    log_p = torch.randn(batch, seq, vd + 1, device=device).log_softmax(-1)
+    top = head.draft_ids[torch.randint(0, vd, (batch, seq), device=device)]
+    return data, TargetSide(features, log_p, top, computed=0)
+
+
+def eagle3_worker(shape: str, seq: int, threads: int | None, recompute: bool = False) -> dict:
+    """One training step of ``HEAD_SHAPES[shape]``'s head at ``seq`` tokens per row (module docstring)."""
+    import torch
+    from torch import nn
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from decode.kinds import eagle3
+    from distill import eagle3_train
+    from distill.config import DistillConfig, TrainConfig
+    from distill.models import resolve_device
+    from distill.training import build_optimizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    device = resolve_device(None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    spec = HEAD_SHAPES[shape]
+    torch.manual_seed(0)
+    with torch.device("meta"):  # the target's config and modules, no weights
+        target = LlamaForCausalLM(LlamaConfig(**spec["config"]))
+    config = eagle3.head_config(target, spec["draft_vocab"])
+    embed = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=torch.bfloat16)
+    embed.requires_grad_(False)
+    draft_ids = torch.randperm(config.vocab_size)[: spec["draft_vocab"]].sort().values.tolist()
+    head = eagle3.Eagle3Head(config, embed, draft_ids).to(device)
+    model = eagle3_train.Unrolled(head)
+    opt = build_optimizer(model, TrainConfig())  # the training loop's AdamW
+    cfg = DistillConfig(recompute=recompute)
+    res: dict = {"device": str(device), "threads": torch.get_num_threads(), "head": shape, "seq": seq}
+    res["recompute"] = recompute
+    res["batch"] = batch = spec["batch"]
+    res["head_params_m"] = sum(p.numel() for p in head.parameters()) / 1e6
+
+    def step(data, side) -> float:
+        loss, _ = eagle3_train.head_loss(model, side, data, cfg)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        return float(loss.detach())
+
+    step(*_random_side(head, batch, 64, device))  # warm-up: AdamW's state exists from here on
+    data, side = _random_side(head, batch, seq, device)
+    gc.collect()
+    res["rss_before_step_mb"] = _rss_mb()
+    with Phase("step", res, device):
+        t0 = time.perf_counter()
+        res["loss"] = step(data, side)
+        res["step_s"] = time.perf_counter() - t0
+    return res
+
+
+def eagle3_table(rows: list[dict]) -> str:
+    cuda = any("step_cuda_max_alloc_mb" in r for r in rows)
+    head = ["head", "batch", "S", "recompute", "peak RSS MiB", "RSS before the step MiB", "the step's own MiB"]
+    head += ["step s"]
+    head += ["CUDA max alloc MiB"] if cuda else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['head']} | — | {r['seq']} | — | failed: {r['error']} |")
+            continue
+        cells = [r["head"], str(r["batch"]), str(r["seq"]), "yes" if r["recompute"] else "no"]
+        cells += [_fmt(r["step_peak_rss_mb"]), _fmt(r["rss_before_step_mb"])]
+        cells += [_fmt(r["step_peak_rss_mb"] - r["rss_before_step_mb"]), _fmt(r["step_s"], ".1f")]
+        cells += [_fmt(r.get("step_cuda_max_alloc_mb"))] if cuda else []
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def eagle3_goals(rows: list[dict]) -> list[str]:
+    """The linearity and 16 GB checks, one line each, for the lengths measured."""
+    lines = []
+    by = {(r["head"], r["seq"]): r for r in rows if "error" not in r}
+    for (shape, seq), r in sorted(by.items()):
+        half = by.get((shape, seq // 2))
+        if half is not None:
+            whole = r["step_peak_rss_mb"] / half["step_peak_rss_mb"]
+            own = (r["step_peak_rss_mb"] - r["rss_before_step_mb"]) / (
+                half["step_peak_rss_mb"] - half["rss_before_step_mb"]
+            )
+            lines.append(f"{shape}: S={seq} / S={seq // 2}: peak RSS x{whole:.2f}, the step's own memory x{own:.2f}")
+        if shape == "llama8b" and seq == 4096:
+            peak = r["step_peak_rss_mb"] * MB / GB
+            lines.append(f"llama8b at S=4096: peak RSS {peak:.1f} GB ({'within' if peak <= 16 else 'over'} 16 GB)")
+    return lines
+
+
+def eagle3_main(args) -> int:
+    start = time.perf_counter()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
+        for shape in [h.strip() for h in args.heads.split(",") if h.strip()]:
+            for seq in [int(s) for s in args.seq.split(",") if s.strip()]:
+                row = {"head": shape, "seq": seq}
+                out = Path(tmp) / f"{shape}-{seq}.json"
+                cmd = [sys.executable, __file__, "--eagle3-worker", shape, str(seq), "--worker-out", str(out)]
+                cmd += (["--threads", str(args.threads)] if args.threads else []) + (["--recompute"] * args.recompute)
+                print(f"[{time.perf_counter() - start:6.1f}s] {shape} S={seq} ...", file=sys.stderr, flush=True)
+                try:
+                    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+                    if proc.returncode != 0:
+                        lines = proc.stderr.strip().splitlines() or ["no output"]
+                        row["error"] = f"exit {proc.returncode}: {lines[-1]}"
+                    else:
+                        row.update(json.loads(out.read_text()))
+                except subprocess.TimeoutExpired:
+                    row["error"] = f"timed out after {args.timeout}s"
+                rows.append(row)
+    total = time.perf_counter() - start
+    print(eagle3_table(rows))
+    ok = [r for r in rows if "error" not in r]
+    device = ok[0]["device"] if ok else "?"
+    print("\n" + "\n".join(eagle3_goals(rows)))
+    print(f"device: {device}; threads {ok[0]['threads'] if ok else '?'}; total {total:.0f}s; "
+          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    if args.json:
+        summary = {"rows": rows, "total_s": total, "loadavg": os.getloadavg(), "argv": sys.argv}
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0 if len(ok) == len(rows) else 1
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------------------------
@@ -310,6 +505,11 @@ def main() -> int:
     ap.add_argument("--models", default="ref,large", help="comma list of ref, large")
     ap.add_argument("--dtypes", default="bf16,nf4", help="comma list of bf16, nf4")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per configuration")
+    ap.add_argument("--eagle3", action="store_true", help="measure an EAGLE-3 head's training step instead")
+    ap.add_argument("--heads", default="smollm2,llama8b", help="--eagle3: comma list of " + ", ".join(HEAD_SHAPES))
+    ap.add_argument("--seq", default="1024,2048,4096", help="--eagle3: comma list of sequence lengths")
+    ap.add_argument("--recompute", action="store_true", help="--eagle3: with distill.recompute (rerun each layer)")
+    ap.add_argument("--eagle3-worker", nargs=2, metavar=("HEAD", "SEQ"), help=argparse.SUPPRESS)
     ap.add_argument("--worker", nargs=2, metavar=("TARGET", "DTYPE"), help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--build-large", help=argparse.SUPPRESS)
@@ -323,6 +523,12 @@ def main() -> int:
         res = worker(args.worker[0], args.worker[1], args.steps, args.threads)
         Path(args.worker_out).write_text(json.dumps(res))
         return 0
+    if args.eagle3_worker:
+        res = eagle3_worker(args.eagle3_worker[0], int(args.eagle3_worker[1]), args.threads, args.recompute)
+        Path(args.worker_out).write_text(json.dumps(res))
+        return 0
+    if args.eagle3:
+        return eagle3_main(args)
 
     if not (PAIR / "target").is_dir() or not TRAIN_PROMPTS.is_file() or not DEV_PROMPTS.is_file():
         print(f"skipped: {PAIR} (reference pair and its prompt files) is absent; set PAIR=DIR")

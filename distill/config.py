@@ -219,6 +219,12 @@ class DistillConfig:
     step_weight: float = _f(
         0.8, "draft.kind=eagle3: unrolled step k's loss weighs step_weight**k (EAGLE-3's 0.8; 1: all equal)"
     )
+    recompute: bool = _f(
+        False,
+        "draft.kind=eagle3: keep only each unrolled step's layer inputs for the backward and run the layer again "
+        "there (activation checkpointing): the same loss and gradients in less memory, for one more layer forward "
+        "per step",
+    )
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.beta <= 1.0, "distill.beta", f"must be in [0, 1], got {self.beta}")

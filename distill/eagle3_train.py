@@ -1,12 +1,13 @@
 """Training an EAGLE-3 head (`draft.kind: eagle3`): what train/distill.py's step feeds the head, and its loss.
 
-Each step the frozen target runs once on the batch's sequences with ``output_hidden_states=True``: its hidden
-states at the head's three aux layers are the head's features and its logits are the teacher, so nothing is
-cached on disk. With distill.cache_teacher they are kept in memory instead (:class:`TargetCache`), taken while
-the target generates the continuations (:class:`GenerationRecorder`), and a step runs the head alone. The head
-is unrolled for ``distill.ttt_steps`` steps (the training-time test: steps after the first read the head's own
-output, as in decoding); step k at position i is compared with the target's
-distribution at position i + k + 1, over the head's draft vocabulary plus one tail bucket (:func:`step_log_probs`).
+Each step the frozen target runs once on the batch's sequences, keeping its hidden states at the head's three aux
+layers (the head's features) and its last one: its logits are the teacher, so nothing is cached on disk. With
+distill.cache_teacher they are kept in memory instead (:class:`TargetCache`), taken while the target generates the
+continuations (:class:`GenerationRecorder`), and a step runs the head alone. The head is unrolled for
+``distill.ttt_steps`` steps (the training-time test: steps after the first read the head's own output, as in
+decoding); step k at position i is compared with the target's distribution at position i + k + 1, over the head's
+draft vocabulary plus one tail bucket (:func:`step_log_probs`). Memory grows linearly in the sequence length: the
+unroll builds no [S, S] attention scores and forward KL keeps only the head's logits for its backward.
 
     model = Unrolled(head)                                    # what accelerate prepares (DDP wraps its forward)
     loss, stats = step_loss(model, target, batch, recipe.distill)
@@ -58,8 +59,9 @@ class Unrolled(nn.Module):
         position_ids: torch.Tensor,
         key_valid: torch.Tensor,
         steps: int,
+        recompute: bool = False,
     ) -> list[torch.Tensor]:
-        return self.head.unrolled(ids, features, position_ids, key_valid, steps=steps)
+        return self.head.unrolled(ids, features, position_ids, key_valid, steps=steps, recompute=recompute)
 
 
 def head_of(model: nn.Module) -> eagle3.Eagle3Head:
@@ -216,9 +218,16 @@ def target_forward(
     target: nn.Module, batch: dict[str, torch.Tensor], aux_layers: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The frozen target on the batch, one forward: (features [B, S, 3 * H_target], logits [B, S, V], last hidden
-    state [B, S, H_target], the input of its output layer)."""
+    state [B, S, H_target], the input of its output layer).
+
+    The forward keeps only those four of its L + 1 hidden states (transformers' ``output_hidden_states`` takes the
+    indices to keep; the others come back None and are freed as the forward goes on)."""
     with torch.no_grad():
-        out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+        out = target(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            output_hidden_states=[*aux_layers, -1],
+        )
     if out.hidden_states is None:
         raise ValueError(
             "the target's forward returned no hidden states (output_hidden_states): use draft.kind=standalone"
@@ -281,9 +290,18 @@ def step_loss(
     """
     head = head_of(getattr(model, "module", model))
     side = target_side(target, batch, head, cfg.temperature, cache, keys)
+    return head_loss(model, side, batch, cfg)
+
+
+def head_loss(
+    model: nn.Module, side: TargetSide, batch: dict[str, torch.Tensor], cfg: DistillConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`step_loss` given the target's side of the batch: the head's unroll over ``side.features`` and its
+    loss against ``side.log_p`` (what a step computes once the target's part is done)."""
+    head = head_of(getattr(model, "module", model))
     valid = batch["attention_mask"].bool()
     positions = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
-    outputs = model(batch["input_ids"], side.features, positions, valid, cfg.ttt_steps)
+    outputs = model(batch["input_ids"], side.features, positions, valid, cfg.ttt_steps, recompute=cfg.recompute)
     draft_ids = head.draft_ids
     log_p = side.log_p.flatten(0, 1)  # [B * S, Vd + 1]: each unrolled step reads the same rows, shifted
     # forward KL's terms that depend on the target alone, once per position (see _FklTeacher)
@@ -296,19 +314,19 @@ def step_loss(
         if not bool(mask.any()):
             continue  # sequences too short for this step
         rows_b, rows_i = mask.nonzero(as_tuple=True)
-        teacher_rows = rows_b * width + rows_i + k + 1
-        s_rows = student[rows_b, rows_i]
+        student_rows = rows_b * width + rows_i
+        teacher_rows = student_rows + k + 1
         if fkl is not None:
-            loss_k = fkl.rows(s_rows, teacher_rows, cfg.temperature).mean()
+            loss_k = fkl.rows(student.flatten(0, 1), teacher_rows, cfg.temperature, student_rows).mean()
         else:
             log_pt = log_p[teacher_rows]
-            log_ps = student_log_probs(s_rows, log_pt[:, -1:], cfg.temperature)
+            log_ps = student_log_probs(student[rows_b, rows_i], log_pt[:, -1:], cfg.temperature)
             loss_k = losses.divergence(log_ps, log_pt, cfg.loss, cfg.beta).mean()
         weight = cfg.step_weight**k
         total = weight * loss_k if total is None else total + weight * loss_k
         weights += weight
         with torch.no_grad():
-            same = draft_ids[s_rows.argmax(-1)] == side.top.flatten()[teacher_rows]
+            same = draft_ids[student.argmax(-1)[rows_b, rows_i]] == side.top.flatten()[teacher_rows]
         stats[f"train/loss_{k}"] = float(loss_k.detach())
         stats[f"train/acc_{k}"] = float(same.float().mean())
     if total is None:
@@ -340,10 +358,52 @@ class _FklTeacher:
         constant = (p * inside).sum(-1) - p.sum(-1) * _log1m_exp(log_tail)
         return _FklTeacher(p, constant)
 
-    def rows(self, student: torch.Tensor, rows: torch.Tensor, temperature: float) -> torch.Tensor:
-        """[tokens] KL of the head's logits ``student`` [tokens, Vd] against the teacher's rows ``rows``."""
-        log_q = torch.log_softmax((student.float() / temperature).clamp(min=_LOGIT_FLOOR), -1)
-        return self.constant[rows] - (self.p_inside[rows] * log_q).sum(-1)
+    def rows(
+        self, student: torch.Tensor, rows: torch.Tensor, temperature: float, student_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[tokens] KL of the head's logits against the teacher's rows ``rows`` [tokens]: ``student`` [tokens, Vd],
+        or with ``student_rows`` [tokens] the rows of ``student`` [N, Vd] to read (no copy of them is made)."""
+        if student_rows is None:
+            student_rows = torch.arange(student.shape[0], device=student.device)
+        expected = _ExpectedLogQ.apply(student, student_rows, self.p_inside, rows, temperature)
+        return self.constant[rows] - expected
+
+
+class _ExpectedLogQ(torch.autograd.Function):
+    """sum_v p_v log q_v for rows of the head's logits, q = softmax(clamp(logits / T)): forward KL's term with the
+    student, computed in chunks of rows and differentiated by hand (d/dz = p - q sum_v p_v).
+
+    Autograd would keep, for every unrolled step, three [rows, Vd] float32 tensors (the scaled logits, log q and
+    the gathered p); this keeps the logits alone, which the head computed anyway.
+
+    forward(logits [N, Vd], rows [n], p [M, Vd], p_rows [n], temperature) -> [n] float32, row j from logits[rows[j]]
+    and p[p_rows[j]].
+    """
+
+    @staticmethod
+    def forward(ctx, logits, rows, p, p_rows, temperature):
+        ctx.save_for_backward(logits, rows, p, p_rows)
+        ctx.temperature = temperature
+        return torch.cat(
+            [
+                (p[pr] * torch.log_softmax(_scaled(logits[r], temperature), -1)).sum(-1)
+                for r, pr in zip(rows.split(_ROWS), p_rows.split(_ROWS))
+            ]
+        )
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        logits, rows, p, p_rows = ctx.saved_tensors
+        temperature = ctx.temperature
+        out = torch.zeros_like(logits)
+        for r, pr, g in zip(rows.split(_ROWS), p_rows.split(_ROWS), grad.split(_ROWS)):
+            scaled = logits[r].float() / temperature
+            q = scaled.clamp(min=_LOGIT_FLOOR).softmax(-1)
+            pc = p[pr]
+            kept = scaled >= _LOGIT_FLOOR  # clamp's gradient: none where it clamped
+            out[r] = ((pc - q * pc.sum(-1, keepdim=True)) * kept * (g[:, None] / temperature)).to(out.dtype)
+        return out, None, None, None, None
 
 
 # ---------------------------------------------------------------- the target's side, kept for the steps

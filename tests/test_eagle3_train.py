@@ -75,6 +75,28 @@ def test_the_forward_kl_shortcut_equals_the_divergence_it_replaces(temperature):
     shortcut = eagle3_train._FklTeacher.of(log_pt).rows(student, torch.arange(6), temperature)
     (g_shortcut,) = torch.autograd.grad(shortcut.sum(), student)
     assert torch.allclose(shortcut, generic, atol=1e-5) and torch.allclose(g_shortcut, g_generic, atol=1e-6)
+    # the same rows read out of a larger logits tensor, in another order, as a step reads a batch's rows
+    wide = torch.randn(10, 12, generator=g).index_copy(0, torch.tensor([7, 1, 4, 9, 0, 2]), student.detach())
+    wide.requires_grad_(True)
+    picked = torch.tensor([7, 1, 4, 9, 0, 2])
+    read = eagle3_train._FklTeacher.of(log_pt).rows(wide, torch.arange(6), temperature, picked)
+    (g_read,) = torch.autograd.grad(read.sum(), wide)
+    assert torch.allclose(read, generic, atol=1e-5) and torch.allclose(g_read[picked], g_generic, atol=1e-6)
+    assert not g_read[[3, 5, 6, 8]].any()
+
+
+def test_the_forward_kl_shortcut_keeps_no_copies_of_the_logits_for_its_backward():
+    """Forward and backward over n rows of Vd logits peak below 3 [n, Vd] float32 tensors (the gradient and the
+    chunks): autograd through log_softmax keeps 3 copies for the backward and peaks at 4."""
+    from tests.memory import TensorPeak
+
+    g = torch.Generator().manual_seed(4)
+    n, vd = 2048, 1024
+    fkl = eagle3_train._FklTeacher.of(torch.randn(n + 5, vd + 1, generator=g).log_softmax(-1))
+    student = torch.randn(n, vd, generator=g, requires_grad=True)
+    with TensorPeak() as peak:
+        fkl.rows(student, torch.arange(n) + 3, 0.8).mean().backward()
+    assert peak.bytes < 3 * n * vd * 4, peak.bytes / (n * vd * 4)
 
 
 # ---------------------------------------------------------------- the step on a real tiny target
@@ -103,6 +125,46 @@ def test_step_loss_decreases_and_reports_every_unrolled_step():
     assert weighted == pytest.approx(seen[-1], rel=1e-4)
     assert seen[-1] < 0.5 * seen[0]
     assert target.model.embed_tokens.weight.grad is None  # the shared embedding stays frozen
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("loss, recompute", [("fkl", False), ("jsd", False), ("fkl", True)])
+def test_a_step_has_the_loss_and_gradients_of_the_dense_attention(arch, loss, recompute):
+    """The whole training step (unroll, loss, backward) on a right-padded batch of several lengths: the same loss,
+    statistics and gradients as with dense [S, S] attention scores."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_eagle3_memory import DenseUnrolled
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(tiny_config(arch, 97, layers=4, initializer_range=0.2)).eval()
+    target.requires_grad_(False)
+    g = torch.Generator().manual_seed(7)
+    pairs = [
+        (
+            torch.randint(1, 97, (3 + 4 * b,), generator=g).tolist(),
+            torch.randint(1, 97, (9 + 7 * b,), generator=g).tolist(),
+        )
+        for b in range(3)
+    ]
+    batch = data.collate_training(pairs, 0)
+    head = eagle3.build(target, list(range(0, 97, 2)))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad:
+                p.mul_(2.0)  # more peaked attention and distributions, where differences would show
+    cfg = DistillConfig(loss=loss, temperature=0.8, recompute=recompute)
+    params = [p for p in head.parameters() if p.requires_grad]
+    results = []
+    for model in (eagle3_train.Unrolled(head), DenseUnrolled(head)):
+        value, stats = eagle3_train.step_loss(model, target, batch, cfg)
+        results.append((value.detach(), torch.autograd.grad(value, params), stats))
+    (new, new_grads, new_stats), (old, old_grads, old_stats) = results
+    torch.testing.assert_close(new, old, atol=1e-6, rtol=1e-5)
+    assert new_stats.keys() == old_stats.keys()
+    assert all(new_stats[k] == pytest.approx(old_stats[k], rel=1e-5, abs=1e-6) for k in new_stats)
+    for a, b in zip(new_grads, old_grads):  # float32 sums in another order: 1e-5 of the largest entry apart
+        torch.testing.assert_close(a, b, atol=5e-5 * float(b.abs().max()), rtol=1e-4)
 
 
 # ---------------------------------------------------------------- recipe checks

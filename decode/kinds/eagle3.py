@@ -16,12 +16,13 @@ embeddings); SGLang counts the output of layer j, one less, and reads ``eagle_co
 both (:func:`served_config`).
 
     head = build(target, draft_ids)                     # fresh head: target's embedding, head rows from the target
-    logits, prenorm = head.unrolled(ids, features, position_ids, key_valid, steps=3)   # training
+    step_logits = head.unrolled(ids, features, position_ids, key_valid, steps=3)   # training: [B, S, Vd] per step
     save(head, folder); head = load(folder, target)     # the served format
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -162,11 +164,15 @@ class Eagle3Head(nn.Module):
         embeds = layer.input_layernorm(self.embed_tokens(ids).to(hidden.dtype))
         return torch.cat([embeds, layer.hidden_norm(hidden)], -1), hidden
 
-    def _layer_out(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(draft logits [B, S, Vd], pre-norm hidden [B, S, H]) after attention."""
+    def _prenorm(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The layer's pre-norm output [B, S, H] after attention."""
         layer = self.midlayer
         residual = residual + layer.self_attn.out(attn)
-        prenorm = residual + layer.mlp(layer.post_attention_layernorm(residual))
+        return residual + layer.mlp(layer.post_attention_layernorm(residual))
+
+    def _layer_out(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft logits [B, S, Vd], pre-norm hidden [B, S, H]) after attention."""
+        prenorm = self._prenorm(attn, residual)
         return self.lm_head(self.norm(prenorm)), prenorm
 
     def forward(
@@ -234,6 +240,7 @@ class Eagle3Head(nn.Module):
         position_ids: torch.Tensor,
         key_valid: torch.Tensor,
         steps: int = TTT_STEPS,
+        recompute: bool = False,
     ) -> list[torch.Tensor]:
         """Training-time test: the head's draft logits at every position for ``steps`` chained steps.
 
@@ -244,41 +251,133 @@ class Eagle3Head(nn.Module):
 
         Args:
             ids: [B, S] the training sequence; features: [B, S, 3 * H_target] the target's aux hidden states.
-            position_ids: [B, S]; key_valid: [B, S] bool, False on padding.
+            position_ids: [B, S]; key_valid: [B, S] bool, False on padding, which must be on the right (as
+                :func:`distill.data.collate_training` pads): a real position then never sees a padding key.
+            recompute: keep only each step's layer inputs for the backward and run the layer again there
+                (activation checkpointing; the output layer is not rerun): less memory, the same numbers.
 
         Returns:
             ``steps`` tensors [B, S, Vd]; positions whose token x_{i+k+1} lies past the sequence are garbage
             (mask them with :func:`step_mask`).
+
+        Memory is linear in S: no [S, S] scores are built (:func:`ttt_attention`).
         """
-        attn_mod = self.midlayer.self_attn
-        s = ids.shape[1]
-        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
-        allowed0 = causal[None, None] & key_valid[:, None, None, :]  # [B, 1, S, S]
+        check_right_padded(key_valid)
+        layer = self._ttt_layer
+        if recompute and torch.is_grad_enabled():
+            layer = functools.partial(checkpoint, self._ttt_layer, use_reentrant=False)
         hidden, fused = features, True
+        keys0 = values0 = None
         diag_k: list[torch.Tensor] = []
         diag_v: list[torch.Tensor] = []
         out = []
         for k in range(steps):
-            x, residual = self._layer_in(shift_left(ids, k + 1), hidden, fused)
-            cos, sin = self.rotary(x, position_ids + k)
-            q, key, value = attn_mod.qkv(x, cos, sin)
-            if k == 0:
-                k0, v0 = attn_mod.expand(key), attn_mod.expand(value)
-            else:
-                diag_k.append(attn_mod.expand(key))
-                diag_v.append(attn_mod.expand(value))
-            scale = q.shape[-1] ** -0.5
-            scores = (q @ k0.transpose(-1, -2)) * scale  # [B, h, S, S]
-            scores = scores.masked_fill(~allowed0, float("-inf"))
-            diag = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # each [B, h, S, 1]
-            probs = torch.cat([scores, *diag], -1).float().softmax(-1).to(q.dtype)
-            attn = probs[..., :s] @ v0
-            for m, dv in enumerate(diag_v):
-                attn = attn + probs[..., s + m : s + m + 1] * dv
-            logits, hidden = self._layer_out(attn, residual)
+            args = (shift_left(ids, k + 1), hidden, position_ids + k, fused, keys0, values0)
+            hidden, key, value = layer(*args, tuple(diag_k), tuple(diag_v))
+            if k == 0 and steps > 1:
+                keys0, values0 = with_null_key(key, value)
+            elif k > 0:
+                diag_k.append(key)
+                diag_v.append(value)
+            out.append(self.lm_head(self.norm(hidden)))
             fused = False
-            out.append(logits)
         return out
+
+    def _ttt_layer(
+        self,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        fused: bool,
+        keys0: torch.Tensor | None,
+        values0: torch.Tensor | None,
+        diag_k: tuple[torch.Tensor, ...],
+        diag_v: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One unrolled step's layer (step 0 when ``keys0`` is None): (pre-norm hidden [B, S, H], the step's keys
+        and values [B, h, S, d], expanded to the query heads)."""
+        attn_mod = self.midlayer.self_attn
+        x, residual = self._layer_in(ids, hidden, fused)
+        q, key, value = attn_mod.qkv(x, *self.rotary(x, position_ids))
+        key, value = attn_mod.expand(key), attn_mod.expand(value)
+        if keys0 is None:
+            attn = F.scaled_dot_product_attention(q, key, value, is_causal=True)
+        else:
+            attn = ttt_attention(q, keys0, values0, (*diag_k, key), (*diag_v, value)).to(q.dtype)
+        return self._prenorm(attn, residual), key, value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The training-time test's attention, without [S, S] scores
+# ---------------------------------------------------------------------------------------------------------------
+# Columns appended to every head's queries, keys and values: the null key's score (one) and two weight indicators
+# (:func:`with_null_key`); 8 keep a head dim that is a multiple of 8 one, which GPU SDPA kernels want.
+_EXTRA = 8
+
+
+def check_right_padded(valid: torch.Tensor) -> None:
+    """ValueError unless every row of ``valid`` [B, S] (bool) is its real tokens followed by padding."""
+    if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+        raise ValueError("the training unroll needs right-padded sequences (real tokens first, then padding)")
+
+
+def with_null_key(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 0's keys and values [B, h, S, d] -> [B, h, 1 + S, d + 8], with a *null key* in front, for
+    :func:`ttt_attention`.
+
+    The null key scores each query's own column d (see ``ttt_attention``) and has value e_{d+1}; every real key
+    gets the value [v, 1, 0, ...], so that the attention output's columns d and d+1 are the weights the real keys
+    and the null key took.
+    """
+    b, h, s, d = keys.shape
+    null_key = keys.new_zeros(b, h, 1, d + _EXTRA)
+    null_key[..., d] = 1.0
+    null_value = values.new_zeros(b, h, 1, d + _EXTRA)
+    null_value[..., d + 1] = 1.0
+    real_keys = F.pad(keys, (0, _EXTRA))
+    real_values = torch.cat([values, values.new_ones(b, h, s, 1), values.new_zeros(b, h, s, _EXTRA - 1)], -1)
+    return torch.cat([null_key, real_keys], 2), torch.cat([null_value, real_values], 2)
+
+
+def ttt_attention(
+    q: torch.Tensor,
+    keys0: torch.Tensor,
+    values0: torch.Tensor,
+    diag_k: Sequence[torch.Tensor],
+    diag_v: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """Attention of unrolled step k >= 1: query i attends causally to step 0's keys (positions <= i) and to its own
+    position's keys of steps 1..k; the softmax runs over all of them at once. Returns [B, h, S, d] float32.
+
+    One fused causal SDPA call (flash attention on CPU and GPU: memory linear in S) does the causal part and an
+    O(S) product the diagonal part. Merging them needs the causal part's softmax normaliser Z_i, which SDPA does
+    not return; a *null key* that every query sees gives it. With the null key scoring alpha_i for query i, SDPA
+    returns A_i = sum_j e^{s_ij} v_j / (Z_i + e^alpha_i) and the weights a_i = Z_i / (Z_i + e^alpha_i) and
+    c_i = e^alpha_i / (Z_i + e^alpha_i) (the indicator columns of :func:`with_null_key`), and then
+
+        out_i = (Z_i o_i + sum_m e^{d_im} u_im) / (Z_i + sum_m e^{d_im})
+              = (A_i + c_i sum_m e^{d_im - alpha_i} u_im) / (a_i + c_i sum_m e^{d_im - alpha_i})
+
+    whatever alpha_i is, gradients included. alpha_i = max_m d_im keeps every exponent <= 0 and a_i + c_i = 1.
+
+    Args:
+        q: [B, h, S, d] step k's queries; keys0, values0: [B, h, 1 + S, d + 8] from :func:`with_null_key`.
+        diag_k, diag_v: the keys and values [B, h, S, d] of steps 1..k (each query reads its own position's).
+    """
+    b, h, s, d = q.shape
+    scale = d**-0.5
+    diag = torch.stack([(q * dk).sum(-1) for dk in diag_k], -1) * scale  # [B, h, S, k]
+    alpha = diag.detach().amax(-1)  # [B, h, S]
+    # Query column d times the null key's 1 scores alpha; a zero query in front keeps the causal alignment: query
+    # i (row i + 1) sees the null key (row 0) and step 0's keys 0..i (rows 1..i + 1).
+    queries = torch.cat([q, (alpha / scale)[..., None], q.new_zeros(b, h, s, _EXTRA - 1)], -1)
+    queries = F.pad(queries, (0, 0, 1, 0))
+    causal = F.scaled_dot_product_attention(queries, keys0, values0, is_causal=True, scale=scale)[:, :, 1:]
+    causal = causal.float()
+    inside, weight_real, weight_null = causal[..., :d], causal[..., d], causal[..., d + 1]
+    w = (diag.float() - alpha[..., None].float()).exp() * weight_null[..., None]  # [B, h, S, k]
+    num = inside + sum(w[..., m, None] * dv.float() for m, dv in enumerate(diag_v))
+    return num / (weight_real + w.sum(-1))[..., None]
 
 
 def shift_left(ids: torch.Tensor, n: int) -> torch.Tensor:
