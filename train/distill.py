@@ -276,13 +276,14 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         target phase is. `recorder`: an EAGLE-3 head's TargetCache filled as they are generated."""
         if recipe.distill.source not in ("target", "mix") or not recipe.distill.cache_rollouts:
             return
-        with timer.running():
+        with timer.running(), state.clock.generating():
             made = source.pregenerate(
                 train_prompts,
                 rollout_draft,
                 accelerator=accelerator,
                 batch_size=recipe.distill.pregenerate_batch_size,
                 recorder=recorder,
+                on_batch=schedule.GenerationWatch(recipe.train.max_minutes, accelerator.is_main_process),
             )
         if accelerator.is_main_process and made:
             total = len(source.cache) if source.cache is not None else made  # every process's, once all are done
@@ -379,6 +380,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     if start_step == 0 and recipe.eval.at_start:
         evaluate_and_save(checkpoint, 0, None, 0.0)
     clock.elapsed_s = shared_elapsed_s(accelerator, timer)
+    clock.start_steps(state.clock.step_s)  # eval.every_minutes counts minutes of steps, continued by --resume
     draft.train()
     step = start_step
     with tqdm(
@@ -394,7 +396,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                 gen_s, n_tokens, batch_tokens, loss_sum, agree_sum = 0.0, 0, 0, 0.0, 0.0
                 teacher_forwards = 0
                 step_stats: dict[str, float] = {}  # eagle3: per unrolled step k, train/loss_k and train/acc_k
-                clock_before_s = clock.elapsed_s
+                clock_before_s = clock.step_s
                 for micro in range(recipe.train.grad_accum):
                     idx = batch_indices(step, micro, recipe.train, len(train_prompts), rank, world)
                     g0 = time.perf_counter()
@@ -460,6 +462,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                         "train/rollout_s": gen_s,
                         "train/on_policy": float(source.last_source == "draft"),
                         "train/minutes": timer.elapsed_s / 60.0,
+                        "train/step_minutes": clock.step_s / 60.0,
                         **step_stats,
                         **(
                             {
@@ -477,9 +480,9 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
             if on_step is not None:
                 on_step(StepReport(step, last_loss, batch_tokens, recipe.train.grad_accum, timer.elapsed_s))
             out_of_time = time_is_up(accelerator, timer)
-            state.train_s = timer.elapsed_s
+            state.after_step(step, timer.elapsed_s, clock.step_s)
             # the minute marks are read off the shared clock, so every rank evaluates at the same step
-            minute_mark = crossed_minute_mark(clock_before_s, clock.elapsed_s, recipe.eval.every_minutes)
+            minute_mark = crossed_minute_mark(clock_before_s, clock.step_s, recipe.eval.every_minutes)
             if step % recipe.eval.every == 0 or step == recipe.train.max_steps or out_of_time or minute_mark:
                 evaluate_and_save(checkpoint, step, last_loss, timer.elapsed_s)
             elif recipe.train.save_every and step % recipe.train.save_every == 0:
@@ -538,10 +541,11 @@ def evaluate_and_save(ctx: CheckpointContext, step: int, loss: float | None, tra
         tmp = ctx.state.tmp_dir(step)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        result = evaluate_checkpoint(
-            full, ctx.target, ctx.tokenizer, ctx.eval_rows, ctx.recipe, tmp / "samples.jsonl",
-            draft_vocab=ctx.draft_vocab,
-        )  # fmt: skip
+        with ctx.state.clock.evaluating():
+            result = evaluate_checkpoint(
+                full, ctx.target, ctx.tokenizer, ctx.eval_rows, ctx.recipe, tmp / "samples.jsonl",
+                draft_vocab=ctx.draft_vocab,
+            )  # fmt: skip
         result.update(train_loss=loss, step=step, train_minutes=train_s / 60.0)
         log_evaluation(ctx.metrics, result, ctx.eval_rows, step, tmp)
     save_checkpoint(acc, ctx.state, full, ctx.tokenizer, step, result)
@@ -641,8 +645,9 @@ def write_report(state: RunState, checksums: list[float], world: int) -> None:
 
     report = state.report(checksums, world)
     write_json_atomic(state.out / "report.json", report)
+    state.write_marker(report["clock"])
     plot = plot_base_vs_best(report["base"], report["best"], state.out / "acceptance_base_vs_best.png")
-    print("\n" + summary_table(report["base"], report["best"], report["best_step"]))
+    print("\n" + summary_table(report["base"], report["best"], report["best_step"], report["clock"]))
     print(f"\nbest draft: {state.out / 'best'}\nreport: {state.out / 'report.json'}\nplot: {plot}")
 
 
@@ -736,8 +741,8 @@ def shared_elapsed_s(accelerator, timer: Timer) -> float:
 
 
 def crossed_minute_mark(before_s: float, after_s: float, every_minutes: float) -> bool:
-    """True when the training clock passed a multiple of `every_minutes` (eval.every_minutes; 0: never) during
-    the step that moved it from `before_s` to `after_s` seconds."""
+    """True when the clock passed a multiple of `every_minutes` (eval.every_minutes; 0: never) during the step that
+    moved it from `before_s` to `after_s` seconds (eval.every_minutes' clock: the minutes of steps)."""
     if every_minutes <= 0:
         return False
     period_s = every_minutes * 60.0
