@@ -90,8 +90,8 @@ def generation_warning(spent_s: float, done: int, total: int, max_minutes: float
     more than half of `max_minutes` (train.max_minutes; 0: no budget, no warning), projected from its rate so far:
     `done` of `total` prompts in `spent_s` seconds. None while it is not.
 
-    The projection is made after every batch: the shortest prompts are generated first, so it errs low at first,
-    never high, and it passes half the budget at the latest when the generation itself does."""
+    The projection is made after every batch. The prompts come shortest first, so it tends to err low rather
+    than high, and it passes half the budget at the latest when the generation itself does."""
     if max_minutes <= 0 or done <= 0 or total <= 0:
         return None
     projected_min = spent_s * total / done / 60.0
@@ -100,8 +100,8 @@ def generation_warning(spent_s: float, done: int, total: int, max_minutes: float
     return (
         f"warning: generating the target's continuations will take about {projected_min:.1f} of the "
         f"train.max_minutes={max_minutes:g} training minutes ({done} of {total} prompts in {spent_s / 60:.1f} min), "
-        f"leaving under half for training steps: use fewer prompts (data.max_train_prompts), shorter continuations "
-        f"(distill.max_new_tokens) or a larger train.max_minutes"
+        "leaving under half for training steps: use fewer prompts (data.max_train_prompts), shorter continuations "
+        "(distill.max_new_tokens) or a larger train.max_minutes"
     )
 
 
