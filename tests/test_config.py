@@ -169,10 +169,12 @@ def test_evaluation_minutes_within_the_budget_or_off_load(overrides):
 
 def test_evaluation_minutes_beyond_the_budget_are_one_error_line_and_nothing_written(tmp_path):
     out = tmp_path / "run"
+    # models that do not exist: were the recipe accepted, the run would stop at them with another error line
+    models = [f"target.model={tmp_path / 'no-target'}", f"draft.model={tmp_path / 'no-draft'}", "build_pair=null"]
     proc = subprocess.run(
-        [sys.executable, str(REPO / "train" / "distill.py"), f"output_dir={out}", "eval.every_minutes=10",
+        [sys.executable, str(REPO / "train" / "distill.py"), f"output_dir={out}", *models, "eval.every_minutes=10",
          "train.max_minutes=5"],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1"),
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
