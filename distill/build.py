@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from distill import distributed, prompt_gen, rollouts
+from distill import distributed, prompt_gen, rollouts, schedule
 from distill.config import Recipe
 from distill.data import Example, encode_examples
 from distill.models import context_length, resolve_mixed_precision, slow_bf16_warning
@@ -106,20 +106,24 @@ def pregenerate(
     timer: Timer,
     rollout_draft: torch.nn.Module | None,
     recorder: Any = None,
+    *,
+    clock: Any,
 ) -> None:
     """The target's continuations, generated before the first step on the training clock (source target/mix
     with the cache): a run is charged for every target forward it needs, as source=schedule's on-demand target
     phase is. `rollout_draft`: the draft that speeds them up (None: the target alone); `recorder`: the kind's
-    distill.cache_teacher store filled as they are generated (an EAGLE-3 head's TargetCache)."""
+    distill.cache_teacher store filled as they are generated (an EAGLE-3 head's TargetCache); `clock`: the run's
+    clock split (RunState.clock), charged with the minutes generating."""
     if recipe.distill.source not in ("target", "mix") or not recipe.distill.cache_rollouts:
         return
-    with timer.running():
+    with timer.running(), clock.generating():
         made = source.pregenerate(
             train_prompts,
             rollout_draft,
             accelerator=accelerator,
             batch_size=recipe.distill.pregenerate_batch_size,
             recorder=recorder,
+            on_batch=schedule.GenerationWatch(recipe.train.max_minutes, accelerator.is_main_process),
         )
     if accelerator.is_main_process and made:
         total = len(source.cache) if source.cache is not None else made  # every process's, once all are done

@@ -270,7 +270,9 @@ class TrainConfig:
     max_minutes: float = _f(
         0.0,
         "training-clock budget in minutes (0: none): training steps and the generation of their data "
-        "(source=target/mix pregeneration included); evaluation, checkpointing and loading are off the clock",
+        "(source=target/mix pregeneration included); evaluation, checkpointing and loading are off the clock. "
+        "A warning line says so when the generation before the first step, projected from its rate after each "
+        "batch, would take more than half of it",
     )
     schedule_by: Literal["steps", "minutes"] = _f(
         "steps",
@@ -316,7 +318,13 @@ class EvalConfig:
         "proposes random tokens: its first evaluation is then the first checkpoint)",
     )
     every: int = _f(50, "optimizer steps between evaluations")
-    every_minutes: float = _f(0.0, "also evaluate each time the training clock passes a multiple of this (0: off)")
+    every_minutes: float = _f(
+        0.0,
+        "also evaluate each time the minutes of training steps pass a multiple of this (0: off; at most a set "
+        "train.max_minutes): counted from the first optimizer step, not from the start of the training clock, so "
+        "data generated before that step never brings an evaluation forward and none runs before the draft has "
+        "trained that long",
+    )
     num_prompts: int = _f(16, "eval prompts used per evaluation")
     max_new_tokens: int = _f(64, "new tokens per eval prompt")
     temperature: float = _f(0.0, "0 = greedy; >0 samples (lossless either way)")
@@ -418,6 +426,7 @@ class Recipe:
                 "keeps the teacher's top-k log-probabilities: set distill.top_k (e.g. 64) or cache_teacher=false",
             )
         _check_tree_eval(self)
+        _check_eval_minutes(self)
         if self.draft.kind == "eagle3":
             _check_eagle3(self)
         elif self.distill.loss_vocab == "subset":
@@ -436,6 +445,17 @@ class Recipe:
                 "distill.loss_vocab",
                 "subset swaps the draft's output layer, which a LoRA draft wraps: set loss_vocab=full",
             )
+
+
+def _check_eval_minutes(recipe: Recipe) -> None:
+    """eval.every_minutes longer than a set train.max_minutes never evaluates (0 is off for both)."""
+    every, budget = recipe.eval.every_minutes, recipe.train.max_minutes
+    _check(
+        budget == 0 or every <= budget,
+        "eval.every_minutes",
+        f"{every:g} is more than train.max_minutes={budget:g}, so no evaluation by minutes would run: set "
+        "eval.every_minutes to at most train.max_minutes (0: off), or raise train.max_minutes",
+    )
 
 
 def _check_eagle3(recipe: Recipe) -> None:

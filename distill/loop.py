@@ -68,10 +68,11 @@ def evaluate_and_save(ctx: CheckpointContext, step: int, loss: float | None, tra
         tmp = ctx.state.tmp_dir(step)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        result = evaluate_checkpoint(
-            full, ctx.target, ctx.tokenizer, ctx.eval_rows, ctx.recipe, tmp / "samples.jsonl",
-            draft_vocab=ctx.draft_vocab,
-        )  # fmt: skip
+        with ctx.state.clock.evaluating():
+            result = evaluate_checkpoint(
+                full, ctx.target, ctx.tokenizer, ctx.eval_rows, ctx.recipe, tmp / "samples.jsonl",
+                draft_vocab=ctx.draft_vocab,
+            )  # fmt: skip
         result.update(train_loss=loss, step=step, train_minutes=train_s / 60.0)
         log_evaluation(ctx.metrics, result, ctx.eval_rows, step, tmp)
     save_checkpoint(acc, ctx.state, full, ctx.tokenizer, step, result)
@@ -146,8 +147,9 @@ def write_report(state: RunState, checksums: list[float], world: int) -> None:
     """report.json, the base-vs-best table and the per-position acceptance plot."""
     report = state.report(checksums, world)
     write_json_atomic(state.out / "report.json", report)
+    state.write_marker(report["clock"])
     plot = plot_base_vs_best(report["base"], report["best"], state.out / "acceptance_base_vs_best.png")
-    print("\n" + summary_table(report["base"], report["best"], report["best_step"]))
+    print("\n" + summary_table(report["base"], report["best"], report["best_step"], report["clock"]))
     print(f"\nbest draft: {state.out / 'best'}\nreport: {state.out / 'report.json'}\nplot: {plot}")
 
 
@@ -186,8 +188,8 @@ def shared_elapsed_s(accelerator, timer: Timer) -> float:
 
 
 def crossed_minute_mark(before_s: float, after_s: float, every_minutes: float) -> bool:
-    """True when the training clock passed a multiple of `every_minutes` (eval.every_minutes; 0: never) during
-    the step that moved it from `before_s` to `after_s` seconds."""
+    """True when the clock passed a multiple of `every_minutes` (eval.every_minutes; 0: never) during the step that
+    moved it from `before_s` to `after_s` seconds (eval.every_minutes' clock: the minutes of steps)."""
     if every_minutes <= 0:
         return False
     period_s = every_minutes * 60.0
@@ -240,10 +242,11 @@ def step_metrics(
     elapsed_s: float,
     on_policy: bool,
     train_s: float,
+    step_s: float,
     teachers: Any,
 ) -> dict[str, float]:
-    """The train/* figures of one optimizer step (`tokens`: every process's, in `elapsed_s`). Collective: the
-    loss is every process's mean."""
+    """The train/* figures of one optimizer step (`tokens`: every process's, in `elapsed_s`; `train_s`: the
+    training clock, `step_s`: its seconds since the first step). Collective: the loss is every process's mean."""
     loss = accelerator.gather(torch.tensor([tally.loss], device=accelerator.device)).mean().item()
     return {
         "train/loss": loss,
@@ -253,6 +256,7 @@ def step_metrics(
         "train/rollout_s": tally.rollout_s,
         "train/on_policy": float(on_policy),
         "train/minutes": train_s / 60.0,
+        "train/step_minutes": step_s / 60.0,
         **tally.stats,
         **(
             {

@@ -29,7 +29,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -349,6 +349,7 @@ def pregenerate_target_rollouts(
     progress: bool = True,
     vocab: int | None = None,
     recorder: Any = None,
+    on_batch: Callable[[int, int], None] | None = None,
 ) -> int:
     """Fill `cache` with target continuations of every example not in it yet, before training starts.
 
@@ -356,7 +357,8 @@ def pregenerate_target_rollouts(
     process waits for the others and then reads all files. Batches are formed from prompts of similar length
     (less padding); a tqdm bar shows progress on the main process. Each process generates every world-th missing
     example from its rank: with nothing cached yet, the share :func:`distill.training.batch_indices` trains it on,
-    so what `recorder` (:func:`generate_target_rollouts`) keeps is what this process's steps read.
+    so what `recorder` (:func:`generate_target_rollouts`) keeps is what this process's steps read. `on_batch`
+    is called after every batch with this process's prompts done and its total (distill.schedule.GenerationWatch).
 
     Returns:
         the number of continuations this process generated.
@@ -383,6 +385,8 @@ def pregenerate_target_rollouts(
         )
         cache.put(chunk, completions)
         bar.update(len(chunk))
+        if on_batch is not None:
+            on_batch(start + len(chunk), len(todo))
     bar.close()
     kernels.release(target)  # training reads the cache now: no packed target weights kept for the run
     if accelerator is not None and world > 1:
@@ -467,6 +471,7 @@ class RolloutSource:
         batch_size: int = 8,
         progress: bool = True,
         recorder: Any = None,
+        on_batch: Callable[[int, int], None] | None = None,
     ) -> int:
         """Fill the target cache up front (no-op without a cache, and for `source=schedule`, whose target phase
         uses a share of the prompts known only as the clock runs: it generates them on demand, on the clock);
@@ -488,4 +493,5 @@ class RolloutSource:
             progress=progress,
             vocab=self.vocab,
             recorder=recorder,
+            on_batch=on_batch,
         )

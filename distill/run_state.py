@@ -1,14 +1,19 @@
 """A distill run's directory and bookkeeping: output_dir checks, checkpoints, best/, report.json.
 
-train/distill.py owns the loop; everything it writes to disk goes through `RunState`, which holds the two
-things that survive a restart: the evaluated checkpoints' history and the training minutes spent so far (both
-in each checkpoint's trainer_state.json, so `--resume` continues the best selection and the time budget).
+train/distill.py owns the loop; everything it writes to disk goes through `RunState`, which holds what survives
+a restart: the evaluated checkpoints' history, the training minutes spent so far and where they went
+(`RunClock`), all in each checkpoint's trainer_state.json, so `--resume` continues the best selection, the time
+budget and the run's clock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +185,66 @@ def stale_best(out: Path) -> str | None:
     return None
 
 
+@dataclass
+class RunClock:
+    """Where a run's time went, in seconds of the main process: report.json's and draftsmith-run.json's "clock".
+
+    The training clock (train.max_minutes, `RunState.train_s`) is `generate_s + step_s`; evaluations are off it.
+    Saved in every checkpoint's trainer_state.json, so a resumed run continues all three.
+    """
+
+    generate_s: float = 0.0  # the target's continuations generated before the first step (source target/mix)
+    step_s: float = 0.0  # since the first optimizer step: steps and what they generate (eval.every_minutes' clock)
+    eval_s: float = 0.0  # evaluating checkpoints (the main process; the others wait)
+
+    @contextlib.contextmanager
+    def generating(self) -> Iterator[None]:
+        """Count the block's wall seconds as generating the target's data."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.generate_s += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Count the block's wall seconds as evaluating."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.eval_s += time.perf_counter() - start
+
+    def saved(self) -> dict[str, float]:
+        """The minutes, for trainer_state.json."""
+        return {
+            "generate_minutes": self.generate_s / 60.0,
+            "step_minutes": self.step_s / 60.0,
+            "eval_minutes": self.eval_s / 60.0,
+        }
+
+    def restore(self, saved: dict, train_s: float) -> None:
+        """Continue a checkpoint's minutes (`saved`: its trainer_state.json; `train_s`: its training clock). What this
+        process generated or evaluated before restoring (an EAGLE-3 head's continuations come first) is added to
+        the checkpoint's; a checkpoint written without the split counts its whole training clock as steps."""
+        generate_s = float(saved.get("generate_minutes") or 0.0) * 60.0
+        self.generate_s += generate_s
+        self.eval_s += float(saved.get("eval_minutes") or 0.0) * 60.0
+        step_minutes = saved.get("step_minutes")
+        self.step_s = float(step_minutes) * 60.0 if step_minutes is not None else max(0.0, train_s - generate_s)
+
+    def summary(self, train_s: float, steps: int) -> dict[str, float | int]:
+        """report.json's "clock": minutes generating, stepping (their sum: `train_minutes`, what train.max_minutes
+        counts) and evaluating, and the optimizer steps taken."""
+        return {
+            "generate_minutes": self.generate_s / 60.0,
+            "step_minutes": self.step_s / 60.0,
+            "train_minutes": train_s / 60.0,
+            "eval_minutes": self.eval_s / 60.0,
+            "steps": steps,
+        }
+
+
 class RunState:
     """The evaluated checkpoints so far and the training time spent, and the writers of the run directory.
 
@@ -192,6 +257,8 @@ class RunState:
         self.recipe = recipe
         self.history: list[dict] = []  # CheckpointInfo.as_dict() rows, one per evaluated step
         self.train_s = 0.0  # training wall-clock seconds so far (evaluation and saving excluded)
+        self.clock = RunClock()  # where the seconds went: generating, stepping, evaluating
+        self.steps = 0  # optimizer steps taken
         # draft.vocab_subset: (ids, vocab, source, the token lists the ids came from)
         self.draft_vocab: tuple[list[int], int, str, list[list[int]]] | None = None
 
@@ -224,10 +291,17 @@ class RunState:
             saved = json.loads((found[1] / TRAINER_STATE).read_text())
             self.history = saved["history"]
             self.train_s = float(saved.get("train_minutes", 0.0)) * 60.0
+            self.steps = found[0]
+            self.clock.restore(saved, self.train_s)
         return found
 
+    def after_step(self, step: int, train_s: float, step_s: float) -> None:
+        """The loop's bookkeeping after optimizer step `step`: the training clock (this process's timer) and its
+        minutes of steps (the clock all processes share, :attr:`distill.schedule.TrainClock.step_s`)."""
+        self.steps, self.train_s, self.clock.step_s = step, train_s, step_s
+
     def trainer_state(self, step: int) -> dict:
-        return {"step": step, "history": self.history, "train_minutes": self.train_s / 60.0}
+        return {"step": step, "history": self.history, "train_minutes": self.train_s / 60.0, **self.clock.saved()}
 
     # ---- checkpoints
 
@@ -275,7 +349,7 @@ class RunState:
     # ---- the end
 
     def report(self, checksums: list[float], world: int) -> dict:
-        """report.json's content: base and best evaluations, every checkpoint's figures."""
+        """report.json's content: base and best evaluations, every checkpoint's figures, where the clock went."""
         best = select_best(self.infos())
         return {
             # null when eval.at_start=false skipped the starting draft's evaluation
@@ -286,4 +360,12 @@ class RunState:
             "world_size": world,
             "param_checksums": checksums,
             "train_minutes": self.train_s / 60.0,
+            "clock": self.clock.summary(self.train_s, self.steps),
         }
+
+    def write_marker(self, clock: dict) -> None:
+        """draftsmith-run.json at the end of the run: the marker written at its start, with the run's `clock`
+        (report.json's) added."""
+        marker = self.out / RUN_MARKER
+        content = json.loads(marker.read_text()) if marker.is_file() else {}
+        write_json_atomic(marker, {**(content if isinstance(content, dict) else {}), "clock": clock})

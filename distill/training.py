@@ -230,8 +230,9 @@ def eval_metrics(result: dict, prefix: str = "eval/") -> dict[str, float]:
 # ---------------------------------------------------------------- output
 
 
-def summary_table(base: dict | None, best: dict, best_step: int) -> str:
-    """Base vs best, as printed at the end of a run (base "-" when eval.at_start=false skipped it)."""
+def summary_table(base: dict | None, best: dict, best_step: int, clock: dict | None = None) -> str:
+    """Base vs best, as printed at the end of a run (base "-" when eval.at_start=false skipped it), and with
+    `clock` (report.json's) the line of where the run's minutes went (:func:`clock_line`)."""
     figures = [
         ("acceptance rate", lambda r: r["acceptance_rate"], "{:.3f}"),
         ("tau (tokens / target pass)", lambda r: r["mean_accepted_length"], "{:.2f}"),
@@ -243,7 +244,20 @@ def summary_table(base: dict | None, best: dict, best_step: int) -> str:
     for name, get, fmt in figures:
         a = fmt.format(get(base)) if base is not None else "-"
         lines.append(f"{name:<{width}}  {a:>9}  {fmt.format(get(best)):>16}")
+    if clock is not None:
+        lines += ["", clock_line(clock)]
     return "\n".join(lines)
+
+
+def clock_line(clock: dict) -> str:
+    """Where a run's minutes went, in one line, from report.json's `clock` (distill.run_state.RunClock.summary),
+    e.g. "clock: 44.0 training minutes: 12.7 generating the target's data, 31.3 in 849 steps; 6.1 minutes
+    evaluating (off the training clock)"."""
+    return (
+        f"clock: {clock['train_minutes']:.1f} training minutes: {clock['generate_minutes']:.1f} generating the "
+        f"target's data, {clock['step_minutes']:.1f} in {clock['steps']} steps; {clock['eval_minutes']:.1f} minutes "
+        "evaluating (off the training clock)"
+    )
 
 
 def plot_base_vs_best(base: dict | None, best: dict, path: Path) -> Path:

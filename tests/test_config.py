@@ -1,9 +1,16 @@
 """Recipe system: YAML in, dotted overrides, type coercion, unknown keys rejected with a suggestion."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import yaml
 
 from distill.config import PretrainRecipe, Recipe, RecipeError, dump_recipe, load_recipe, save_recipe
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def write(tmp_path, text):
@@ -152,3 +159,45 @@ def test_bare_no_is_the_string_no_where_a_choice_expects_it(tmp_path):
     assert load_recipe(None, ["train.mixed_precision=no"]).train.mixed_precision == "no"
     with pytest.raises(RecipeError, match="distill.loss"):
         load_recipe(None, ["distill.loss=false"])  # a bool is still no valid choice elsewhere
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (["eval.every_minutes=-1"], r"^eval.every_minutes: must be >= 0 \(0: off\), got -1"),
+        (["eval.every_minutes=10", "train.max_minutes=5"], r"^eval.every_minutes: 10 is more than train.max_minutes="),
+    ],
+)
+def test_evaluation_minutes_must_fit_the_budget(overrides, pattern):
+    with pytest.raises(RecipeError, match=pattern) as err:
+        load_recipe(None, overrides)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["eval.every_minutes=5", "train.max_minutes=5"],  # the budget itself
+        ["eval.every_minutes=30", "train.max_minutes=0"],  # no time budget: any interval
+        ["eval.every_minutes=0", "train.max_minutes=5"],  # off
+    ],
+)
+def test_evaluation_minutes_within_the_budget_or_off_load(overrides):
+    load_recipe(None, overrides)
+
+
+def test_evaluation_minutes_beyond_the_budget_are_one_error_line_and_nothing_written(tmp_path):
+    out = tmp_path / "run"
+    # models that do not exist: were the recipe accepted, the run would stop at them with another error line
+    models = [f"target.model={tmp_path / 'no-target'}", f"draft.model={tmp_path / 'no-draft'}", "build_pair=null"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train" / "distill.py"), f"output_dir={out}", *models, "eval.every_minutes=10",
+         "train.max_minutes=5"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: eval.every_minutes: 10 is more than train.max_minutes=5, so no evaluation by minutes would run: set "
+        "eval.every_minutes to at most train.max_minutes (0: off), or raise train.max_minutes"
+    ]
+    assert not out.exists()

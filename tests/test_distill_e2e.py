@@ -203,6 +203,7 @@ def test_kill_and_resume_matches_uninterrupted(assets, full_run, tmp_path):
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path, recipe_dict(assets, out))
     kill_at_checkpoint(recipe, out, step=3)
+    saved = json.loads((out / "checkpoints" / "step-3" / "trainer_state.json").read_text())
     resumed = launch(recipe, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
@@ -212,6 +213,15 @@ def test_kill_and_resume_matches_uninterrupted(assets, full_run, tmp_path):
     # same data order, optimizer and scheduler state: the resumed run ends where the uninterrupted one did
     assert mine["param_checksums"] == pytest.approx(ref["param_checksums"], rel=1e-9)
     assert [c["loss"] for c in mine["checkpoints"]] == pytest.approx([c["loss"] for c in ref["checkpoints"]])
+    # the clock's split continues from the checkpoint: generating (the cached continuations cost next to nothing
+    # again), the minutes of steps (steps 4-6 added to 1-3's) and evaluating (step 6's added)
+    clock = mine["clock"]
+    assert clock["steps"] == 6 and saved["generate_minutes"] > 0
+    assert saved["generate_minutes"] <= clock["generate_minutes"] < saved["generate_minutes"] + 0.05
+    assert clock["step_minutes"] > saved["step_minutes"] > 0 and clock["eval_minutes"] > saved["eval_minutes"] > 0
+    resumed_rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step_minutes = [r["train/step_minutes"] for r in resumed_rows if "train/step_minutes" in r][-3:]  # steps 4-6
+    assert saved["step_minutes"] < step_minutes[0] < step_minutes[1] < step_minutes[2] == clock["step_minutes"]
 
 
 def test_bench_worker_observes_training_through_on_step(assets, tmp_path):

@@ -224,6 +224,19 @@ def test_pregenerate_shards_across_processes(models, tmp_path):
     assert pregenerate_target_rollouts(examples, target, draft, cfg, caches[0], **common) == 0  # nothing left
 
 
+def test_pregenerate_reports_each_batch_of_its_share(models, tmp_path):
+    # what distill.schedule.GenerationWatch projects the generation's minutes from
+    tok, target, draft, examples = models
+    cfg = _cfg(source="target")
+    source = RolloutSource(cfg, target, tok, cache_dir=tmp_path, vocab=len(tok))
+    calls: list[tuple[int, int]] = []
+    made = source.pregenerate(examples, draft, batch_size=2, progress=False, on_batch=lambda *a: calls.append(a))
+    assert made == 5 and calls == [(2, 5), (4, 5), (5, 5)]
+    calls.clear()
+    assert source.pregenerate(examples, draft, batch_size=2, on_batch=lambda *a: calls.append(a)) == 0
+    assert calls == []  # all cached: nothing generated, nothing to report
+
+
 def test_rollout_source_without_cache(models, tmp_path):
     tok, target, draft, examples = models
     cfg = _cfg(source="target", cache_rollouts=False)

@@ -16,8 +16,8 @@ import yaml
 
 from distill.checkpoints import CheckpointInfo, beats, replace_dir, select_best, steps_to_keep, write_json_atomic
 from distill.config import Recipe, RecipeError, load_recipe, save_recipe
-from distill.run_state import RUN_MARKER, RunState, check_resume_recipe, is_run_dir, prepare_output_dir
-from distill.training import Timer, eval_metrics
+from distill.run_state import RUN_MARKER, RunClock, RunState, check_resume_recipe, is_run_dir, prepare_output_dir
+from distill.training import Timer, eval_metrics, summary_table
 from tests.procs import HAS_PROC, load_script, running, wait_for_child
 
 REPO = Path(__file__).resolve().parent.parent
@@ -382,6 +382,83 @@ def test_training_minutes_survive_a_restore(tmp_path):
     again = RunState(tmp_path, Recipe())
     assert again.restore() == (3, step_dir)
     assert again.train_s == pytest.approx(90.0)
+
+
+def test_the_run_clock_splits_generation_steps_and_evaluation():
+    clock = RunClock()
+    with clock.generating():
+        time.sleep(0.03)
+    with clock.evaluating():
+        time.sleep(0.02)
+    time.sleep(0.05)  # neither
+    assert 0.03 <= clock.generate_s < 0.05 and 0.02 <= clock.eval_s < 0.04 and clock.step_s == 0.0
+    clock.step_s = 120.0
+    assert clock.summary(train_s=120.0 + clock.generate_s, steps=7) == {
+        "generate_minutes": pytest.approx(clock.generate_s / 60),
+        "step_minutes": 2.0,
+        "train_minutes": pytest.approx(2.0 + clock.generate_s / 60),
+        "eval_minutes": pytest.approx(clock.eval_s / 60),
+        "steps": 7,
+    }
+
+
+def saved_run(tmp_path: Path, step: int, trainer_state: dict | None = None) -> Path:
+    """A checkpoint step-N holding `trainer_state` (default: a RunState's after 3 minutes generating, 5 of steps
+    and 1 evaluating)."""
+    if trainer_state is None:
+        state = RunState(tmp_path, Recipe())
+        state.clock.generate_s, state.clock.eval_s = 180.0, 60.0
+        state.after_step(step, train_s=480.0, step_s=300.0)
+        trainer_state = state.trainer_state(step)
+    step_dir = tmp_path / "checkpoints" / f"step-{step}"
+    (step_dir / "state").mkdir(parents=True)
+    write_json_atomic(step_dir / "trainer_state.json", trainer_state)
+    return step_dir
+
+
+def test_the_run_clock_continues_across_a_resume(tmp_path):
+    step_dir = saved_run(tmp_path, 40)
+    again = RunState(tmp_path, Recipe())
+    again.clock.generate_s = 2.0  # an EAGLE-3 head's continuations, generated (from the cache) before restoring
+    assert again.restore() == (40, step_dir)
+    assert (again.steps, again.train_s) == (40, pytest.approx(480.0))
+    assert (again.clock.generate_s, again.clock.step_s, again.clock.eval_s) == pytest.approx((182.0, 300.0, 60.0))
+    # the resumed run's steps go on from there: the training clock is the timer's, the minutes of steps the clock
+    # the processes share (both continued from the checkpoint by the loop)
+    again.after_step(50, train_s=482.0 + 40.0, step_s=340.0)
+    assert again.clock.summary(again.train_s, again.steps) == pytest.approx(
+        {"generate_minutes": 182 / 60, "step_minutes": 340 / 60, "train_minutes": 522 / 60, "eval_minutes": 1.0,
+         "steps": 50}
+    )  # fmt: skip
+
+
+def test_a_checkpoint_without_the_split_counts_its_clock_as_steps(tmp_path):
+    saved_run(tmp_path, 3, {"step": 3, "history": [], "train_minutes": 1.5})
+    again = RunState(tmp_path, Recipe())
+    again.restore()
+    assert (again.clock.generate_s, again.clock.step_s, again.clock.eval_s) == (0.0, pytest.approx(90.0), 0.0)
+
+
+def test_the_report_and_the_marker_say_where_the_clock_went(tmp_path):
+    prepare_output_dir(tmp_path / "run", resume=False, overwrite=False)
+    state = RunState(tmp_path / "run", Recipe())
+    result = {**bench_result(5, 1.3), "tokens_per_s": {"speculative": 100.0}}
+    (state.out / "best").mkdir()
+    (state.out / "best" / "eval.json").write_text(json.dumps(result))
+    state.record(5, result)
+    state.clock.generate_s, state.clock.eval_s = 762.0, 366.0
+    state.after_step(849, train_s=2640.0, step_s=1878.0)
+    report = state.report([1.0, 1.0], 2)
+    clock = {"generate_minutes": 12.7, "step_minutes": 31.3, "train_minutes": 44.0, "eval_minutes": 6.1, "steps": 849}
+    assert report["clock"] == pytest.approx(clock) and report["train_minutes"] == pytest.approx(44.0)
+    state.write_marker(report["clock"])
+    marker = json.loads((state.out / RUN_MARKER).read_text())
+    assert marker["clock"] == pytest.approx(clock) and marker["tool"] == "draftsmith"
+    assert is_run_dir(state.out)
+    assert summary_table(None, result, 5, report["clock"]).splitlines()[-1] == (
+        "clock: 44.0 training minutes: 12.7 generating the target's data, 31.3 in 849 steps; 6.1 minutes "
+        "evaluating (off the training clock)"
+    )
 
 
 # ---------------------------------------------------------------- quickstart assets

@@ -13,8 +13,15 @@ import torch
 
 from distill import rollouts
 from distill.config import DistillConfig, RecipeError, TrainConfig, load_recipe
-from distill.schedule import TrainClock, budget_progress, build_budget_scheduler, lr_multiplier
-from tests.procs import run_distill, tiny_recipe
+from distill.schedule import (
+    GenerationWatch,
+    TrainClock,
+    budget_progress,
+    build_budget_scheduler,
+    generation_warning,
+    lr_multiplier,
+)
+from tests.procs import load_script, run_distill, tiny_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_RECIPES = sorted((REPO / "recipes").glob("stdlib-*.yaml"))
@@ -100,6 +107,82 @@ def test_scheduler_reads_the_clock_and_its_state_resumes():
     resumed = build_budget_scheduler(torch.optim.AdamW(model.parameters(), lr=cfg.lr), cfg, TrainClock())
     resumed.load_state_dict(state)
     assert resumed.last_epoch == 3
+
+
+# ---------------------------------------------------------------- minutes of steps and the generation's share
+
+
+def minute_marks(generate_s: float, step_s: float, steps: int, every_minutes: float, done_s: float = 0.0) -> list:
+    """The steps train/distill.py's loop evaluates at by eval.every_minutes: the clock starts at `generate_s`
+    (the target's continuations, plus a resumed run's `done_s` of steps), each step adds `step_s`."""
+    crossed = load_script("train/distill.py", "distill_script_for_step_marks").crossed_minute_mark
+    clock = TrainClock()
+    clock.elapsed_s = generate_s + done_s
+    clock.start_steps(done_s)
+    marks = []
+    for step in range(1, steps + 1):
+        before = clock.step_s
+        clock.elapsed_s += step_s
+        if crossed(before, clock.step_s, every_minutes):
+            marks.append(step)
+    return marks
+
+
+def test_minute_marks_count_minutes_of_steps_not_the_generation_before_them():
+    # 21 minutes generating, 4 s steps, an evaluation every 22 minutes: the clock since its start would pass 22
+    # minutes at step 15, on a draft trained for 1 minute; the minutes of steps pass it at step 330
+    assert minute_marks(21 * 60.0, 4.0, 600, 22.0) == [330]
+    assert minute_marks(0.0, 4.0, 700, 22.0) == [330, 660]  # no generation: the same marks as before
+    assert minute_marks(21 * 60.0, 4.0, 600, 0.0) == []  # off
+
+
+def test_minute_marks_continue_across_a_resume():
+    # resumed at step 100 (400 s of steps done): the marks fall where the uninterrupted run's do, whatever the
+    # generation the resumed run repeats (here 3 s: its continuations come from the cache)
+    resumed = [100 + m for m in minute_marks(3.0, 4.0, 560, 22.0, done_s=400.0)]
+    assert resumed == [330, 660]
+
+
+def test_the_step_clock_reads_the_shared_clock_from_the_first_step():
+    clock = TrainClock()
+    assert clock.step_s == 0.0
+    clock.elapsed_s = 90.0  # generation before the first step
+    clock.start_steps()
+    assert clock.step_s == 0.0
+    clock.elapsed_s = 100.0
+    assert clock.step_s == pytest.approx(10.0)
+    resumed = TrainClock()
+    resumed.elapsed_s = 150.0
+    resumed.start_steps(40.0)
+    resumed.elapsed_s = 160.0
+    assert resumed.step_s == pytest.approx(50.0)
+
+
+def test_generation_warning_projects_the_rate_so_far_onto_every_prompt():
+    assert generation_warning(60.0, 10, 100, max_minutes=0.0) is None  # no budget
+    assert generation_warning(60.0, 10, 100, max_minutes=20.0) is None  # 10 of 20 minutes: not more than half
+    line = generation_warning(120.0, 100, 1000, max_minutes=30.0)  # 2 min for a tenth: 20 of the 30 minutes
+    assert line == (
+        "warning: generating the target's continuations will take about 20.0 of the train.max_minutes=30 training "
+        "minutes (100 of 1000 prompts in 2.0 min), leaving under half for training steps: use fewer prompts "
+        "(data.max_train_prompts), shorter continuations (distill.max_new_tokens) or a larger train.max_minutes"
+    )
+    assert generation_warning(16 * 60.0, 100, 100, max_minutes=30.0) is not None  # done: it took more than half
+
+
+def test_generation_watch_warns_once_and_only_where_enabled():
+    lines: list[str] = []
+    watch = GenerationWatch(max_minutes=1.0, write=lines.append)
+    watch(1, 100)  # a fraction of a second for a hundredth: nowhere near half a minute
+    assert lines == []
+    watch.start -= 20.0  # 20 s spent by the first tenth: 200 s projected
+    watch(10, 100)
+    watch(20, 100)
+    assert len(lines) == 1 and "train.max_minutes=1 " in lines[0] and "(10 of 100 prompts" in lines[0]
+    quiet = GenerationWatch(max_minutes=1.0, enabled=False, write=lines.append)
+    quiet.start -= 20.0
+    quiet(10, 100)
+    assert len(lines) == 1
 
 
 # ---------------------------------------------------------------- recipe keys
@@ -244,3 +327,51 @@ def test_pregenerated_target_continuations_count_against_the_training_clock(pair
     # (the printed seconds are rounded to 0.01)
     assert first["train/minutes"] * 60 >= pregen_s - 0.006
     assert json.loads((out / "report.json").read_text())["train_minutes"] * 60 >= pregen_s - 0.006
+
+
+@pytest.mark.slow
+def test_minutes_scheduled_evaluations_wait_for_minutes_of_steps_and_the_summary_splits_the_clock(pair, tmp_path):
+    # The target's 24 continuations of 48 tokens take longer than the 0.24 s evaluation interval; the clock since
+    # its start passes its first multiple within the first steps, the minutes of steps only after ~0.24 s of them
+    every = 0.004
+    out = tmp_path / "run"
+    recipe = tiny_recipe(
+        pair,
+        out,
+        {"source": "target", "max_new_tokens": 48, "num_draft_tokens": 0},
+        {"max_steps": 16, "batch_size": 1},
+        eval={"at_start": False, "every_minutes": every},
+    )
+    proc = run_distill(recipe, tmp_path, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    clock = report["clock"]
+    assert clock["generate_minutes"] > every  # what this test is about: the generation outlasts the interval
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = {r["step"]: r for r in rows if "train/loss" in r}
+    evaluated = [r["step"] for r in rows if "eval/speedup" in r]
+    by_minutes = [step for step in evaluated if step != 16]  # the last step is evaluated anyway
+    assert by_minutes, f"no evaluation by minutes in 16 steps: {clock}"
+    first = by_minutes[0]
+    # the first one comes after one interval of steps (the training clock since the first step), not before
+    assert train[first]["train/step_minutes"] >= every
+    assert first == 1 or train[first - 1]["train/step_minutes"] < every
+    assert train[first]["train/minutes"] >= clock["generate_minutes"] + every
+    # and every one after a step that passed a multiple of the interval, none elsewhere
+    minutes = [0.0] + [train[step]["train/step_minutes"] for step in range(1, 17)]
+    passed = [s for s in range(1, 16) if int(minutes[s] / every) > int(minutes[s - 1] / every)]
+    assert by_minutes == passed
+    # the training clock is the generation plus the minutes of steps (read a few ms apart)
+    for step in range(1, 17):
+        assert train[step]["train/minutes"] == pytest.approx(
+            clock["generate_minutes"] + train[step]["train/step_minutes"], abs=every / 4
+        )
+    # where the clock went: numeric minutes generating, stepping and evaluating, and the steps
+    assert clock["steps"] == 16
+    for key in ("generate_minutes", "step_minutes", "eval_minutes"):
+        assert isinstance(clock[key], float) and clock[key] > 0, clock
+    assert clock["step_minutes"] == pytest.approx(train[16]["train/step_minutes"])
+    assert clock["train_minutes"] == pytest.approx(report["train_minutes"])
+    assert clock["generate_minutes"] + clock["step_minutes"] == pytest.approx(clock["train_minutes"], abs=every / 4)
+    assert json.loads((out / "draftsmith-run.json").read_text())["clock"] == clock
+    assert f"generating the target's data, {clock['step_minutes']:.1f} in 16 steps;" in proc.stdout

@@ -202,7 +202,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     if draft is None:  # built from the target's continuations (a head counts its draft vocabulary on them)
         source = build_source(recipe, target, tokenizer, out, rank, vocab_size)
         recorder = kind.generation_recorder(teachers, recipe, target)
-        pregenerate(recipe, source, train_prompts, accelerator, pregen, None, recorder)  # the target alone
+        pregenerate(recipe, source, train_prompts, accelerator, pregen, None, recorder, clock=state.clock)
         found = newest_checkpoint(ckpt_root) if args.resume else None
         draft = kind.build_draft(
             recipe, target, source, train_prompts, vocab_size, teachers, found[1] if found else None, is_main
@@ -227,7 +227,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     timer = Timer(recipe.train.max_minutes, elapsed_s=state.train_s + pregen.elapsed_s)
     if source is None:  # a loaded draft: the target's continuations are generated now, sped up by it
         source = build_source(recipe, target, tokenizer, out, rank, vocab_size)
-        pregenerate(recipe, source, train_prompts, accelerator, timer, rollout_draft)
+        pregenerate(recipe, source, train_prompts, accelerator, timer, rollout_draft, clock=state.clock)
     draft_vocab = kind.decoding_vocab(recipe, source, train_prompts, vocab_size, state, accelerator.is_main_process)
     loss_step = kind.loss_step(accelerator, draft, target, recipe, vocab_size, teachers, draft_vocab)
     checkpoint = CheckpointContext(
@@ -238,6 +238,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     if start_step == 0 and recipe.eval.at_start:
         evaluate_and_save(checkpoint, 0, None, 0.0)
     clock.elapsed_s = shared_elapsed_s(accelerator, timer)
+    clock.start_steps(state.clock.step_s)  # eval.every_minutes counts minutes of steps, continued by --resume
     draft.train()
     step = start_step
     with tqdm(
@@ -251,7 +252,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
             with timer.running():
                 t0 = time.perf_counter()
                 tally = StepTally(recipe.train.grad_accum)
-                clock_before_s = clock.elapsed_s
+                clock_before_s = clock.step_s
                 for micro in range(recipe.train.grad_accum):
                     idx = batch_indices(step, micro, recipe.train, len(train_prompts), rank, world)
                     g0 = time.perf_counter()
@@ -288,15 +289,17 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
             if step % recipe.log.every == 0 or step == recipe.train.max_steps:
                 on_policy = source.last_source == "draft"
                 lr = scheduler.get_last_lr()[0]
-                figures = step_metrics(accelerator, tally, lr, tokens, elapsed, on_policy, timer.elapsed_s, teachers)
+                figures = step_metrics(
+                    accelerator, tally, lr, tokens, elapsed, on_policy, timer.elapsed_s, clock.step_s, teachers
+                )
                 metrics.log(figures, step=step)
             bar.set_postfix(loss=f"{tally.loss:.4f}", tok_s=f"{tokens / elapsed:.0f}")
             if on_step is not None:
                 on_step(StepReport(step, tally.loss, tally.batch_tokens, recipe.train.grad_accum, timer.elapsed_s))
             out_of_time = time_is_up(accelerator, timer)
-            state.train_s = timer.elapsed_s
+            state.after_step(step, timer.elapsed_s, clock.step_s)
             # the minute marks are read off the shared clock, so every rank evaluates at the same step
-            minute_mark = crossed_minute_mark(clock_before_s, clock.elapsed_s, recipe.eval.every_minutes)
+            minute_mark = crossed_minute_mark(clock_before_s, clock.step_s, recipe.eval.every_minutes)
             if step % recipe.eval.every == 0 or step == recipe.train.max_steps or out_of_time or minute_mark:
                 evaluate_and_save(checkpoint, step, tally.loss, timer.elapsed_s)
             elif recipe.train.save_every and step % recipe.train.save_every == 0:
