@@ -10,6 +10,8 @@ files only.
   transformers can load, and the `gguf` package installed);
 * the pair's vocabularies: the same tokens, and output widths that cover the target's tokenizer (the decoder's
   rule, :func:`decode.compat.check_vocab_compatible`, applied to the configs);
+* the prompt files: each one there, every row of a JSONL file valid JSON and a {"prompt"} or {"messages"} row
+  (:func:`distill.data.check_prompt_source`), a `generate:` spec one that exists;
 * chat prompts ('messages' rows, generate:magpie) need the target's chat template.
 
 What is not known yet is skipped, never guessed: an empty model path (build_pair: quickstart fills it in later),
@@ -27,6 +29,7 @@ from decode.compat import check_vocab_compatible
 from decode.prompts import read_jsonl
 from distill import models, prompt_gen
 from distill.config import DataConfig, ModelConfig, Recipe
+from distill.data import check_prompt_source
 
 
 def check_inputs(recipe: Recipe) -> None:
@@ -36,6 +39,7 @@ def check_inputs(recipe: Recipe) -> None:
         ValueError: one line naming the recipe keys involved and the fix.
     """
     later = recipe.build_pair == "quickstart"  # empty model paths are filled in with the quickstart pair
+    check_prompt_files(recipe.data, later)
     target = _known_model(recipe.target, "target.model", later)
     head_kind = recipe.draft.kind == "eagle3"  # no draft LM: a head built from the target, or an EAGLE-3 folder
     draft = None if recipe.draft.init == "truncate" or head_kind else _known_model(recipe.draft, "draft.model", later)
@@ -52,6 +56,17 @@ def check_inputs(recipe: Recipe) -> None:
         draft_tokenizer = models.load_tokenizer(recipe.draft.model, recipe.draft, key="draft.model")
         check_pair_vocab(recipe.target, recipe.draft, tokenizer, draft_tokenizer)
     check_chat_prompts(recipe.data, tokenizer, recipe.target.model)
+
+
+def check_prompt_files(cfg: DataConfig, later: bool = False) -> None:
+    """data.train_prompts and data.eval_prompts can be read (an empty data.eval_prompts holds out
+    data.eval_split instead; both empty with `later`: the quickstart fills them in)."""
+    if prompt_gen.is_generated(cfg.train_prompts):
+        prompt_gen.parse_spec(cfg.train_prompts)
+    elif cfg.train_prompts or not later:
+        check_prompt_source(cfg.train_prompts, key="data.train_prompts", prompt_field=cfg.prompt_field)
+    if cfg.eval_prompts:
+        check_prompt_source(cfg.eval_prompts, key="data.eval_prompts", prompt_field=cfg.prompt_field)
 
 
 def check_eagle3_folder(path: str) -> None:

@@ -17,7 +17,8 @@ Writes under output_dir (docs/run-directory.md): resolved_recipe.yaml, metrics.j
 highest measured speedup beyond the timing noise: a later checkpoint replaces it only when the lower end of its
 95% speedup interval is above best's speedup (within the noise, the more tokens per target pass win: tau, then the
 later step). train.max_minutes counts the training clock: training steps and the generation of their data, not
-evaluation, checkpoints or loading; it continues across --resume. SIGTERM stops a run like Ctrl-C.
+evaluation, checkpoints or loading; it continues across --resume. Ctrl-C or SIGTERM stops a run after its
+current step and saves that step's resume state (distill/interrupt.py); an evaluation is cut short at once.
 
 From Python: `main(argv, on_step=callback)` calls `callback(StepReport)` after every optimizer step.
 """
@@ -29,7 +30,6 @@ import contextlib
 import math
 import os
 import shutil
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))  # run from a source checkout without installing
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from distill import interrupt  # noqa: E402
 from distill.checkpoints import (  # noqa: E402
     DiskFullError,
     as_disk_error,
@@ -51,7 +52,7 @@ from distill.checkpoints import (  # noqa: E402
 from distill.config import Recipe, RecipeError, dump_recipe, load_recipe, save_recipe, to_dict  # noqa: E402
 from distill.engines import measure_extra_engines  # noqa: E402
 from distill.models import resolve_mixed_precision, slow_bf16_warning  # noqa: E402
-from distill.run_state import RunState, check_resume_recipe, prepare_output_dir  # noqa: E402
+from distill.run_state import RunState, check_resume_recipe, prepare_output_dir, run_inputs, trim_metrics  # noqa: E402
 from distill.training import (  # noqa: E402
     MetricsLog,
     Timer,
@@ -127,16 +128,6 @@ def resolve_local_artifacts(recipe: Recipe, rebuild: bool, is_main: bool) -> Non
         recipe.data.eval_prompts = recipe.data.eval_prompts or str(eval_prompts)
 
 
-def raise_on_sigterm() -> None:
-    """SIGTERM (a scheduler's or `kill`'s stop) unwinds like Ctrl-C: temporaries are removed, child
-    processes (a quickstart build) are stopped, and the run can be resumed."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -150,11 +141,11 @@ def main(argv: list[str] | None = None, on_step: Callable[[StepReport], None] | 
     if args.print_config:
         print(dump_recipe(recipe), end="")
         return
-    raise_on_sigterm()
+    interrupt.install()  # SIGTERM stops a run like Ctrl-C; in training, after saving the step's state
     try:
         run(recipe, args, on_step=on_step)
-    except KeyboardInterrupt:
-        fail("interrupted; resume with --resume")
+    except KeyboardInterrupt as err:
+        fail(interrupt.stopped(err))
     except (RecipeError, ValueError, FileNotFoundError, DiskFullError, NonFiniteLoss) as err:
         fail(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
 
@@ -183,9 +174,8 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     state = RunState(Path(recipe.output_dir).resolve(), recipe)
     out, ckpt_root = state.out, state.ckpt_root
     is_main = int(os.environ.get("RANK", "0")) == 0
-    if is_main:
-        prepare_output_dir(out, args.resume, args.overwrite)
-    log_with, init_kwargs = tracker_setup(recipe.log, out, is_main)
+    run_id = prepare_output_dir(out, args.resume, args.overwrite, run_inputs(recipe, args.recipe)) if is_main else None
+    log_with, init_kwargs = tracker_setup(recipe.log, out, is_main, run_id=run_id)
     mixed_precision = resolve_mixed_precision(recipe.train.mixed_precision)  # auto: bf16 only where it is native
     if is_main and (warning := slow_bf16_warning(mixed_precision)):
         print(warning, file=sys.stderr)
@@ -350,6 +340,8 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
             accelerator.load_state(str(path / "state"))
             if accelerator.is_main_process:
                 print(f"resumed from {path} (step {start_step}, {state.train_s / 60:.1f} training minutes)")
+        if accelerator.is_main_process:
+            trim_metrics(metrics.path, start_step)  # the rows this run writes again
     metrics.log({"distributed": engine}, step=start_step)
     if not head_kind:
         source = make_source()
@@ -376,11 +368,12 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     )
 
     # ---- loop
-    if start_step == 0 and recipe.eval.at_start:
-        evaluate_and_save(checkpoint, 0, None, 0.0)
+    step = start_step
+    interrupt.arm(accelerator, state, lambda: step, lambda at: save_state_only(accelerator, state, at))
+    if state.evaluate_first(recipe.eval.at_start):  # the starting draft; on --resume, an evaluation cut short
+        evaluate_and_save(checkpoint, start_step, state.pending_loss, state.train_s)
     clock.elapsed_s = shared_elapsed_s(accelerator, timer)
     draft.train()
-    step = start_step
     with tqdm(
         # schedule_by=minutes: max_steps is only a cap, so the bar counts steps without a misleading total
         total=recipe.train.max_steps if recipe.train.schedule_by == "steps" else None,
@@ -389,6 +382,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         disable=not accelerator.is_main_process,
     ) as bar:
         while step < recipe.train.max_steps:
+            interrupt.check()  # Ctrl-C, SIGTERM: every process stops here, at the same step, and saves it
             with timer.running():
                 t0 = time.perf_counter()
                 gen_s, n_tokens, batch_tokens, loss_sum, agree_sum = 0.0, 0, 0, 0.0, 0.0
@@ -488,6 +482,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                 if accelerator.is_main_process:
                     tqdm.write(f"train.max_minutes={recipe.train.max_minutes} reached at step {step}")
                 break
+    interrupt.finish()  # interrupted in the last step or its evaluation: stop before the report, as check() does
 
     # ---- save
     checksums = accelerator.gather(
@@ -538,12 +533,13 @@ def evaluate_and_save(ctx: CheckpointContext, step: int, loss: float | None, tra
         tmp = ctx.state.tmp_dir(step)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        result = evaluate_checkpoint(
+        result = interrupt.evaluation(ctx.state, loss, lambda: evaluate_checkpoint(
             full, ctx.target, ctx.tokenizer, ctx.eval_rows, ctx.recipe, tmp / "samples.jsonl",
             draft_vocab=ctx.draft_vocab,
-        )  # fmt: skip
-        result.update(train_loss=loss, step=step, train_minutes=train_s / 60.0)
-        log_evaluation(ctx.metrics, result, ctx.eval_rows, step, tmp)
+        ))  # fmt: skip
+        if result is not None:  # None: an interrupt cut it short, and the checkpoint keeps the training state alone
+            result.update(train_loss=loss, step=step, train_minutes=train_s / 60.0)
+            log_evaluation(ctx.metrics, result, ctx.eval_rows, step, tmp)
     save_checkpoint(acc, ctx.state, full, ctx.tokenizer, step, result)
 
 
