@@ -157,9 +157,14 @@ def stopped(err: BaseException) -> str:
         return "interrupted; resume with --resume"
     try:
         step = armed.step()
-        if stop.aborted or not isinstance(err, StopRequested):
+        if stop.aborted:
             return f"interrupted again before step {step + 1} ended: nothing more saved; {_continues(armed)}"
-        return _save(armed, step)
+        if not isinstance(err, StopRequested):  # not a signal: raised by code the run called (on_step)
+            return f"interrupted in step {step + 1}: nothing more saved; {_continues(armed)}"
+        try:
+            return _save(armed, step)
+        except KeyboardInterrupt:  # a signal REPEAT_S after the first: the state is not saved
+            return f"interrupted again while saving step {step}: nothing more saved; {_continues(armed)}"
     finally:
         disarm()
 

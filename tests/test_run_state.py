@@ -611,6 +611,60 @@ SAVED = (
 )
 
 
+def test_signals_in_training_wait_for_the_step_and_cut_an_evaluation_short(tmp_path, monkeypatch):
+    """Real signals to this process: armed, a SIGTERM (and the same stop passed on again) lets the step finish and
+    stops at the next step's start, saving that step; in an evaluation it stops the evaluation at once; a signal
+    REPEAT_S after the first stops at once and saves nothing; unarmed (loading) it stops at once."""
+    from accelerate import PartialState
+
+    from distill import interrupt
+
+    monkeypatch.setattr(interrupt, "REPEAT_S", 0.5)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    state, saved, step = RunState(tmp_path, Recipe()), [], 3
+    try:
+        interrupt.install()
+        with pytest.raises(KeyboardInterrupt):  # nothing armed: at once, as Python's Ctrl-C
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert interrupt.stopped(KeyboardInterrupt()) == "interrupted; resume with --resume"
+
+        interrupt.arm(PartialState(), state, lambda: step, saved.append)
+        interrupt.check()  # no stop yet
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # a launcher passing the stop on: the same one
+        step = 4  # the step in progress finished
+        with pytest.raises(interrupt.StopRequested) as stop:
+            interrupt.check()
+        assert interrupt.stopped(stop.value) == (
+            "interrupted at step 4; saved a resume state (checkpoints/step-4: weights, optimizer, scheduler, data "
+            "position, RNG); resume with --resume"
+        )
+        assert saved == [4]
+
+        interrupt.arm(PartialState(), state, lambda: step, saved.append)
+
+        def evaluate() -> dict:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            return {}
+
+        assert interrupt.evaluation(state, 1.5, evaluate) is None and state.pending_eval == {"loss": 1.5}
+        state.pending_eval = None
+        assert interrupt.evaluation(state, 2.0, lambda: {}) is None  # a stop is pending: no evaluation starts
+        assert state.pending_eval == {"loss": 2.0}
+        time.sleep(0.6)
+        with pytest.raises(KeyboardInterrupt) as again:  # REPEAT_S after the first: at once
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert interrupt.stopped(again.value).startswith("interrupted again before step 5 ended: nothing more saved")
+        assert saved == [4]
+    finally:
+        interrupt.disarm()
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+
+
 @pytest.mark.slow
 def test_sigterm_in_training_saves_the_step_and_resume_goes_on_from_it(tmp_path):
     """Interrupted at step k > 0 of 8 (evaluations at step 0 and 8): the state of step k is saved, and --resume
