@@ -740,6 +740,30 @@ def test_sigterm_in_the_last_evaluation_keeps_every_step(tmp_path):
 
 
 @pytest.mark.slow
+def test_resume_from_step_0_does_not_measure_the_base_again(tmp_path):
+    """Killed (-9) after the base evaluation and a step or two: --resume starts at step 0 from checkpoints/step-0,
+    which holds the base's evaluation: it is not measured again, and the rows the killed run logged past step 0
+    are logged once, by the resumed run."""
+    paths = tiny_run_paths(tmp_path / "assets")
+    recipe = tiny_recipe(paths, tmp_path / "run", {"max_new_tokens": 8}, {"max_steps": 4, "batch_size": 2})
+    out = tmp_path / "run"
+    proc, log = start_slowed(tmp_path, "run", recipe, step_s=0.5)
+    deadline = time.time() + 300
+    while not ((out / "checkpoints" / "step-0").is_dir() and metric_rows(out, "train/loss")):
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    base = (out / "base_eval.json").read_text()
+    rc, output = finish(*start_slowed(tmp_path, "resumed", recipe, "--resume"))
+    assert rc == 0, output[-3000:]
+    assert f"resumed from {out / 'checkpoints' / 'step-0'} (step 0," in output and "eval step 0:" not in output
+    assert (out / "base_eval.json").read_text() == base
+    assert [r["step"] for r in metric_rows(out, "eval/speedup")] == [0, 4]
+    assert [r["step"] for r in metric_rows(out, "train/loss")] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
 def test_sigterm_to_two_processes_saves_the_same_step_on_both(tmp_path):
     """accelerate launch, 2 processes over gloo: the launcher passes SIGTERM on to both, they stop at the same
     step and save it together (each one's RNG state), and a 2-process --resume finishes the run."""
