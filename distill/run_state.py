@@ -366,7 +366,7 @@ class RunState:
     def infos(self) -> list[CheckpointInfo]:
         return [CheckpointInfo.from_dict(h) for h in self.history]
 
-    def finish_checkpoint(self, draft: Any, tokenizer: Any, step: int, result: dict, tmp: Path) -> Path:
+    def finish_checkpoint(self, draft: Any, tokenizer: Any, step: int, result: dict | None, tmp: Path) -> Path:
         """Complete the checkpoint written into `tmp` (training state already there), move it into place,
         export best/ when it is the new best and prune the others. Returns the checkpoint directory.
 
