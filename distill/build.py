@@ -16,16 +16,20 @@ from distill import distributed, prompt_gen, rollouts, schedule
 from distill.config import Recipe
 from distill.data import Example, encode_examples
 from distill.models import context_length, resolve_mixed_precision, slow_bf16_warning
-from distill.run_state import RunState
-from distill.training import Timer, tracker_setup
+from distill.run_state import RunState, trim_metrics
+from distill.tracking import tracker_setup
+from distill.training import Timer
 
 
-def build_accelerator(recipe: Recipe, out: Path, is_main: bool) -> tuple[Any, dict, str | None]:
-    """The run's Accelerator with its trackers (log.report_to), the trackers' init kwargs and the mixed precision
-    it runs (train.mixed_precision=auto: bf16 only where it is native; a warning where bf16 is slow)."""
+def build_accelerator(
+    recipe: Recipe, out: Path, is_main: bool, run_id: str | None = None
+) -> tuple[Any, dict, str | None]:
+    """The run's Accelerator with its trackers (log.report_to; `run_id`: the W&B run a resumed run continues), the
+    trackers' init kwargs and the mixed precision it runs (train.mixed_precision=auto: bf16 only where it is
+    native; a warning where bf16 is slow)."""
     from accelerate import Accelerator
 
-    log_with, init_kwargs = tracker_setup(recipe.log, out, is_main)
+    log_with, init_kwargs = tracker_setup(recipe.log, out, is_main, run_id=run_id)
     mixed_precision = resolve_mixed_precision(recipe.train.mixed_precision)
     if is_main and (warning := slow_bf16_warning(mixed_precision)):
         print(warning, file=sys.stderr)
@@ -148,4 +152,5 @@ def resume_state(accelerator: Any, state: RunState, resume: bool) -> int:
     accelerator.load_state(str(path / "state"))
     if accelerator.is_main_process:
         print(f"resumed from {path} (step {start_step}, {state.train_s / 60:.1f} training minutes)")
+        trim_metrics(state.out / "metrics.jsonl", start_step)  # the rows this run writes again
     return start_step

@@ -72,11 +72,10 @@ def load_rows(
         split: split to use when the dataset has several (`data.dataset_split`).
         prompt_field: the raw-text field (`data.prompt_field`); rows may use 'messages' instead.
     """
-    if not source:
-        raise ValueError(f"{key} is empty: set it to a JSONL prompt file, a datasets directory or a hub dataset id")
     path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".jsonl":
+    if source and path.is_file() and path.suffix == ".jsonl":
         return read_jsonl(path, prompt_field)
+    check_prompt_source(source, key=key, prompt_field=prompt_field)  # empty, or a path that does not exist
 
     import datasets
 
@@ -114,6 +113,32 @@ def load_rows(
     if not rows:
         raise ValueError(f"{key} {source!r}: the dataset split {split!r} has no rows")
     return rows
+
+
+def check_prompt_source(source: str, *, key: str, prompt_field: str = "prompt") -> None:
+    """Refuse a prompt source that cannot be read, before anything is loaded: an empty value, a path that does
+    not exist (anything but a hub id, and every name with HF_HUB_OFFLINE=1), and a JSONL file with a row that is
+    not valid JSON, not a {"prompt"} or {"messages"} object, or no rows at all (every row is read). Datasets and
+    hub ids are checked when they are loaded.
+
+    Raises:
+        ValueError: one line naming `key`, the source and the fix.
+    """
+    if not source:
+        raise ValueError(f"{key} is empty: set it to a JSONL prompt file, a datasets directory or a hub dataset id")
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".jsonl":
+        try:
+            read_jsonl(path, prompt_field)
+        except ValueError as err:
+            raise ValueError(f"{key}: {err}") from None
+    elif not path.exists():
+        from distill.models import hub_offline
+
+        offline = hub_offline()
+        if offline or path.suffix == ".jsonl" or source.startswith((".", "/", "~")) or source.count("/") > 1:
+            why = " (HF_HUB_OFFLINE=1, so hub datasets cannot be fetched)" if offline else ""
+            raise ValueError(f"{key} {source!r} not found: no such file or directory{why}; fix the path")
 
 
 def _row_key(row: dict, prompt_field: str) -> bytes:

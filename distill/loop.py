@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from distill import distributed
+from distill import distributed, interrupt
 from distill.checkpoints import as_disk_error, newest_checkpoint, write_json_atomic
 from distill.config import Recipe
 from distill.kinds import StepLoss
@@ -69,12 +69,13 @@ def evaluate_and_save(ctx: CheckpointContext, step: int, loss: float | None, tra
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         with ctx.state.clock.evaluating():
-            result = evaluate_checkpoint(
+            result = interrupt.evaluation(ctx.state, loss, lambda: evaluate_checkpoint(
                 full, ctx.target, ctx.tokenizer, ctx.eval_rows, ctx.recipe, tmp / "samples.jsonl",
                 draft_vocab=ctx.draft_vocab,
-            )  # fmt: skip
-        result.update(train_loss=loss, step=step, train_minutes=train_s / 60.0)
-        log_evaluation(ctx.metrics, result, ctx.eval_rows, step, tmp)
+            ))  # fmt: skip
+        if result is not None:  # None: an interrupt cut it short, and the checkpoint keeps the training state alone
+            result.update(train_loss=loss, step=step, train_minutes=train_s / 60.0)
+            log_evaluation(ctx.metrics, result, ctx.eval_rows, step, tmp)
     save_checkpoint(acc, ctx.state, full, ctx.tokenizer, step, result)
 
 

@@ -10,6 +10,8 @@ files only.
   transformers can load, and the `gguf` package installed);
 * the pair's vocabularies: the same tokens, and output widths that cover the target's tokenizer (the decoder's
   rule, :func:`decode.compat.check_vocab_compatible`, applied to the configs);
+* the prompt files: each one there, every row of a JSONL file valid JSON and a {"prompt"}, {"messages"} or
+  {"conversations"} row (:func:`distill.data.check_prompt_source`), a `generate:` spec one that exists;
 * chat prompts ('messages' rows, generate:magpie) need the target's chat template;
 * a standalone draft is not an EAGLE-3 head folder; for draft.kind=eagle3, the target's forward returns its
   per-layer hidden states (probed on one token of a weightless, meta-device copy), and a head folder in
@@ -30,6 +32,7 @@ from decode.compat import check_vocab_compatible
 from decode.prompts import read_jsonl
 from distill import kinds, models, prompt_gen
 from distill.config import DataConfig, ModelConfig, Recipe
+from distill.data import check_prompt_source
 
 
 def check_inputs(recipe: Recipe) -> None:
@@ -39,6 +42,7 @@ def check_inputs(recipe: Recipe) -> None:
         ValueError: one line naming the recipe keys involved and the fix.
     """
     later = recipe.build_pair == "quickstart"  # empty model paths are filled in with the quickstart pair
+    check_prompt_files(recipe.data, later)
     target = _known_model(recipe.target, "target.model", later)
     kind = kinds.get(recipe.draft.kind)  # a draft LM to load, or one built from the target (an EAGLE-3 head)
     loads = kind.LOADS_DRAFT_MODEL and recipe.draft.init != "truncate"
@@ -53,6 +57,17 @@ def check_inputs(recipe: Recipe) -> None:
         draft_tokenizer = models.load_tokenizer(recipe.draft.model, recipe.draft, key="draft.model")
         check_pair_vocab(recipe.target, recipe.draft, tokenizer, draft_tokenizer)
     check_chat_prompts(recipe.data, tokenizer, recipe.target.model)
+
+
+def check_prompt_files(cfg: DataConfig, later: bool = False) -> None:
+    """data.train_prompts and data.eval_prompts can be read (an empty data.eval_prompts holds out
+    data.eval_split instead; both empty with `later`: the quickstart fills them in)."""
+    if prompt_gen.is_generated(cfg.train_prompts):
+        prompt_gen.parse_spec(cfg.train_prompts)
+    elif cfg.train_prompts or not later:
+        check_prompt_source(cfg.train_prompts, key="data.train_prompts", prompt_field=cfg.prompt_field)
+    if cfg.eval_prompts:
+        check_prompt_source(cfg.eval_prompts, key="data.eval_prompts", prompt_field=cfg.prompt_field)
 
 
 def _known_model(cfg: ModelConfig, key: str, later: bool) -> str | None:

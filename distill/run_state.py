@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Any
 import yaml
 
 from distill.checkpoints import (
+    TMP_PREFIX,
     CheckpointInfo,
     DiskFullError,
     atomic_dir,
@@ -38,6 +41,13 @@ from distill.config import RecipeError, dump_recipe, save_recipe
 RUN_MARKER = "draftsmith-run.json"  # written into output_dir when a run starts: what --overwrite trusts
 LEGACY_RUN_FILES = ("resolved_recipe.yaml", "metrics.jsonl")  # a run from before the marker holds both
 TRAINER_STATE = "trainer_state.json"
+# Everything a run writes at the top of output_dir (train/distill.py, RunState, distill.draft_init, the rollout
+# cache, the trackers), and so all that --overwrite deletes; anything else there is the user's and is kept.
+RUN_FILES = (
+    RUN_MARKER, "resolved_recipe.yaml", "metrics.jsonl", "base_eval.json", "report.json",
+    "acceptance_base_vs_best.png",
+)  # fmt: skip
+RUN_DIRS = ("checkpoints", "best", "draft_init", "rollout_cache", "wandb")
 
 
 def is_run_dir(path: Path) -> bool:
@@ -49,9 +59,58 @@ def is_run_dir(path: Path) -> bool:
     return (path / RUN_MARKER).is_file() or all((path / name).is_file() for name in LEGACY_RUN_FILES)
 
 
-def prepare_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
+def run_entries(out: Path) -> list[Path]:
+    """The entries of the run directory `out` that a run wrote: RUN_FILES, RUN_DIRS, leftovers of atomic writes
+    (`.tmp-*`) and a TensorBoard folder (`<log.project>/`, when the run's recipe logged to TensorBoard and the
+    folder holds its event files). What --overwrite deletes."""
+    out = Path(out)
+    names = {*RUN_FILES, *RUN_DIRS}
+    tensorboard = _tensorboard_dir(out)
+    if tensorboard is not None:
+        names.add(tensorboard)
+    return sorted(p for p in out.iterdir() if p.name in names or p.name.startswith(TMP_PREFIX))
+
+
+def _tensorboard_dir(out: Path) -> str | None:
+    """The folder accelerate's TensorBoard tracker wrote into `out` (`<log.project>`), or None."""
+    try:
+        log = (yaml.safe_load((out / "resolved_recipe.yaml").read_text()) or {}).get("log") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    project = log.get("project") if log.get("report_to") == "tensorboard" else None
+    if not isinstance(project, str) or not project or "/" in project or project in (".", ".."):
+        return None
+    return project if any((out / project).rglob("events.out.tfevents.*")) else None
+
+
+def inputs_under(out: Path, inputs: dict[str, str | None]) -> list[str]:
+    """`key 'value'` for every input (recipe key -> path; the recipe file as --recipe) that exists on disk at or
+    under `out`. A hub id or an empty key is no local path and never matches."""
+    out = Path(out).resolve()
+    found = []
+    for key, value in inputs.items():
+        if not value:
+            continue
+        path = Path(value).expanduser()
+        if path.exists() and path.resolve().is_relative_to(out):
+            found.append(f"{key} {value!r}")
+    return found
+
+
+def run_inputs(recipe: Any, recipe_path: str | None) -> dict[str, str | None]:
+    """The files and folders a run reads, by recipe key: what --overwrite must not delete."""
+    return {
+        "--recipe": recipe_path, "target.model": recipe.target.model, "draft.model": recipe.draft.model,
+        "data.train_prompts": recipe.data.train_prompts, "data.eval_prompts": recipe.data.eval_prompts,
+        "distill.cache_dir": recipe.distill.cache_dir,
+    }  # fmt: skip
+
+
+def prepare_output_dir(out: Path, resume: bool, overwrite: bool, inputs: dict[str, str | None] | None = None) -> str:
     """Create output_dir and mark it as a run, refusing to mix two runs in one directory or to delete (or
-    write into) a non-empty directory that is not a run."""
+    write into) a non-empty directory that is not a run. `--overwrite` deletes what the old run wrote
+    (:func:`run_entries`) and nothing else, and refuses when one of the run's `inputs` (:func:`run_inputs`)
+    lies in output_dir. Returns the run's id (kept by --resume: the W&B run it continues)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise RecipeError(f"output_dir {str(out)!r} is a file: choose a directory path for output_dir")
@@ -68,14 +127,59 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool) -> None:
             f"output_dir {str(out)!r} already holds a run: pass --resume to continue it, --overwrite to replace "
             "it, or set output_dir=... to a new directory"
         )
+    replace = overwrite and not resume and occupied
+    if replace and (inside := inputs_under(out, inputs or {})):
+        raise RecipeError(
+            f"--overwrite: {', '.join(inside)} lies in output_dir {str(out)!r}, which --overwrite empties: copy it "
+            "out of output_dir first, or set output_dir=... to a new directory"
+        )
+    run_id = (read_run_id(out) if resume else None) or uuid.uuid4().hex[:8]
     try:
-        if overwrite and not resume and occupied:
-            shutil.rmtree(out)
+        if replace:
+            for entry in run_entries(out):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         out.mkdir(parents=True, exist_ok=True)
         # first write of every start: marks the run and tests that output_dir is writable
-        write_json_atomic(out / RUN_MARKER, {"tool": "draftsmith", "kind": "distill run"})
+        write_json_atomic(out / RUN_MARKER, {"tool": "draftsmith", "kind": "distill run", "run_id": run_id})
     except OSError as err:
         raise DiskFullError(err.errno, disk_error_message(err, out)) from None
+    return run_id
+
+
+def read_run_id(out: Path) -> str | None:
+    """The run's id: from its marker, else (a run written before the marker held one) from the id in the name
+    of its newest W&B run folder (`wandb/offline-run-DATE-ID`, `wandb/run-DATE-ID`); None when neither."""
+    try:
+        run_id = json.loads((Path(out) / RUN_MARKER).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        run_id = None
+    if isinstance(run_id, str) and run_id:
+        return run_id
+    folders = sorted(Path(out).glob("wandb/*run-*-*"), key=lambda p: p.name.split("-")[-2])
+    return folders[-1].name.rsplit("-", 1)[-1] if folders else None
+
+
+def trim_metrics(path: Path, step: int) -> int:
+    """--resume from `step`: drop the rows of metrics.jsonl the resumed run writes again, so that every step keeps
+    one row of each kind: those past `step`, the start record at `step` (`{"step", "distributed"}`, logged at
+    every start) and a line a kill cut short. Returns how many rows were dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            keep = row["step"] < step or (row["step"] == step and set(row) != {"step", "distributed"})
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        kept += [line] if keep else []
+        dropped += not keep
+    if dropped:
+        tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
 
 
 # Keys --resume may change without --allow-recipe-change: they decide where the run logs and publishes, how
@@ -261,6 +365,10 @@ class RunState:
         self.steps = 0  # optimizer steps taken
         # draft.vocab_subset: (ids, vocab, source, the token lists the ids came from)
         self.draft_vocab: tuple[list[int], int, str, list[list[int]]] | None = None
+        self.resumed_step: int | None = None  # the checkpoint --resume continues from
+        # {"loss"} of the step whose evaluation an interrupt cut short (distill.interrupt): its checkpoint is saved
+        # as a resume-only one that says so, and --resume evaluates that step before training on
+        self.pending_eval: dict | None = None
 
     # ---- start
 
@@ -293,6 +401,7 @@ class RunState:
             self.train_s = float(saved.get("train_minutes", 0.0)) * 60.0
             self.steps = found[0]
             self.clock.restore(saved, self.train_s)
+            self.resumed_step, self.pending_eval = found[0], saved.get("pending_eval")
         return found
 
     def after_step(self, step: int, train_s: float, step_s: float) -> None:
@@ -300,8 +409,22 @@ class RunState:
         minutes of steps (the clock all processes share, :attr:`distill.schedule.TrainClock.step_s`)."""
         self.steps, self.train_s, self.clock.step_s = step, train_s, step_s
 
+    def evaluate_first(self, at_start: bool) -> bool:
+        """Whether the run evaluates before its first step: a fresh start its starting draft (eval.at_start), a
+        resumed one only the step an interrupt left unmeasured. What was measured is never measured again (a
+        second base figure would differ from the first by the timing noise)."""
+        return self.pending_eval is not None if self.resumed_step is not None else at_start
+
+    @property
+    def pending_loss(self) -> float | None:
+        """The training loss of the step whose evaluation is pending (None at step 0 or when none is)."""
+        return (self.pending_eval or {}).get("loss")
+
     def trainer_state(self, step: int) -> dict:
-        return {"step": step, "history": self.history, "train_minutes": self.train_s / 60.0, **self.clock.saved()}
+        return {
+            "step": step, "history": self.history, "train_minutes": self.train_s / 60.0,
+            "pending_eval": self.pending_eval, **self.clock.saved(),
+        }  # fmt: skip
 
     # ---- checkpoints
 
@@ -317,12 +440,18 @@ class RunState:
     def infos(self) -> list[CheckpointInfo]:
         return [CheckpointInfo.from_dict(h) for h in self.history]
 
-    def finish_checkpoint(self, draft: Any, tokenizer: Any, step: int, result: dict, tmp: Path) -> Path:
+    def finish_checkpoint(self, draft: Any, tokenizer: Any, step: int, result: dict | None, tmp: Path) -> Path:
         """Complete the checkpoint written into `tmp` (training state already there), move it into place,
-        export best/ when it is the new best and prune the others. Returns the checkpoint directory."""
+        export best/ when it is the new best and prune the others. Returns the checkpoint directory.
+
+        `result` None: an interrupt cut the evaluation short (`pending_eval`), and the checkpoint is kept as a
+        resume-only one."""
         from decode.kinds import kind_of
         from distill import kinds
 
+        if result is None:
+            return self.finish_state_only(step, tmp)
+        self.pending_eval = None  # measured: no later checkpoint carries it
         # the draft's files in the format its engines read (distill.kinds: an HF checkpoint, an EAGLE-3 head...)
         kinds.get(kind_of(draft)).save_checkpoint(draft, tmp, tokenizer, self.draft_vocab, self.recipe)
         write_json_atomic(tmp / "eval.json", result)
@@ -340,7 +469,11 @@ class RunState:
         return final
 
     def finish_state_only(self, step: int, tmp: Path) -> Path:
-        """Complete a resume-only checkpoint (training state, no evaluation): train.save_every."""
+        """Complete a resume-only checkpoint (training state, no evaluation): train.save_every, an interrupt. It
+        holds `state/` and trainer_state.json alone (what an evaluation cut short had begun to write goes)."""
+        for item in tmp.iterdir():
+            if item.name != "state":
+                shutil.rmtree(item) if item.is_dir() else item.unlink()
         write_json_atomic(tmp / TRAINER_STATE, self.trainer_state(step))
         final = self.ckpt_root / f"step-{step}"
         replace_dir(tmp, final)

@@ -22,14 +22,15 @@ def wandb_has_credentials() -> bool:
 
 
 def tracker_setup(
-    log: LogConfig, output_dir: Path, is_main: bool, final_dir: Path | None = None
+    log: LogConfig, output_dir: Path, is_main: bool, final_dir: Path | None = None, run_id: str | None = None
 ) -> tuple[list[str], dict[str, Any]]:
     """accelerate's `log_with` and `init_kwargs` for the recipe's tracker, W&B files under `output_dir`.
 
     `final_dir` is where `output_dir` ends up when it is a temporary directory renamed at the end (the
-    name shown to the user). Raises RecipeError when the tracker is not installed (accelerate would drop it
-    silently). With no W&B login, `wandb.init` raises instead of falling back; we switch to offline mode
-    ourselves and say once how to upload the run later.
+    name shown to the user). `run_id` (distill.run_state.prepare_output_dir's) is the W&B run's id, with
+    `resume="allow"`: a resumed run logs into the run it continues. Raises RecipeError when the tracker is not
+    installed (accelerate would drop it silently). With no W&B login, `wandb.init` raises instead of falling
+    back; we switch to offline mode ourselves and say once how to upload the run later.
     """
     if log.report_to == "none":
         return [], {}
@@ -45,4 +46,7 @@ def tracker_setup(
             print(f"W&B: no login found, logging offline; upload later with `wandb sync {shown}/wandb/offline-run-*`")
     os.environ.setdefault("WANDB_DIR", str(output_dir))
     os.environ.setdefault("WANDB_SILENT", "true")
-    return ["wandb"], {"wandb": {"name": log.run_name or shown.name, "dir": str(output_dir)}}
+    init = {"name": log.run_name or shown.name, "dir": str(output_dir)}
+    if run_id:
+        init.update(id=run_id, resume="allow")
+    return ["wandb"], {"wandb": init}

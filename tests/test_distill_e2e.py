@@ -301,6 +301,7 @@ def test_bad_prompt_file(assets, tmp_path, content, needle):
     recipe = recipe_dict(assets, tmp_path / "run", data={"train_prompts": str(bad)})
     line = error_line(run_script("--recipe", str(write_recipe(tmp_path, recipe))))
     assert "bad.jsonl" in line and needle in line
+    assert not (tmp_path / "run").exists()  # refused before anything is written: the corrected rerun starts clean
 
 
 def test_nan_loss_stops_naming_step_and_checkpoint(assets, tmp_path):

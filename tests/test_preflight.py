@@ -109,7 +109,15 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "odd": made_up_gguf(root / "odd.gguf"),
         "raw": jsonl(root / "raw.jsonl", [{"prompt": "def f(x):"}, {"prompt": "import os"}]),
         "chat": jsonl(root / "chat.jsonl", [{"prompt": "def f(x):"}, CHAT_ROW]),
+        "missing": str(root / "missing.jsonl"),  # never written
+        "no_prompt": jsonl(root / "no_prompt.jsonl", [{"prompt": "def f(x):"}, {"text": "import os"}]),
+        "not_json": _text(root / "not_json.jsonl", '{"prompt": "def f(x):"}\n{"prompt": "import os"\n'),
     }
+
+
+def _text(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
 
 
 def recipe_dict(inputs: dict, out: Path, **sections) -> dict:
@@ -192,6 +200,25 @@ BAD = {
         {"target": {"model": "deep"}, "draft": {"model": "head_deep", **EAGLE3}},
         ["draft.model and target.model", "head_deep", "reads target layers [2, 4, 6]", "(4 layers)"],
     ),
+    # A bad prompt file is refused whatever the pair (here one with a chat template, which needs no chat-row
+    # check) and before a quickstart pair is built.
+    "missing prompt file": (
+        {"target": {"model": "chat_target"}, "draft": {"model": "chat_draft"}, "data": {"train_prompts": "missing"}},
+        ["data.train_prompts", "missing.jsonl' not found", "fix the path"],
+    ),
+    "prompt row without prompt or messages": (
+        {"target": {"model": "chat_target"}, "draft": {"model": "chat_draft"}, "data": {"eval_prompts": "no_prompt"}},
+        ["data.eval_prompts", "no_prompt.jsonl:2", '"prompt" (a string), "messages"', "keys found: text"],
+    ),
+    "prompt file not JSON": (
+        {
+            "build_pair": "quickstart",
+            "target": {"model": ""},
+            "draft": {"model": ""},
+            "data": {"train_prompts": "not_json"},
+        },
+        ["data.train_prompts", "not_json.jsonl:2: not valid JSON"],
+    ),  # fmt: skip
     "unknown GGUF architecture as target": (
         {"target": {"model": "odd"}},
         ["target.model", "odd.gguf", "'madeup'", "supported: ", "llama"],
@@ -209,12 +236,17 @@ BAD = {
 
 def _resolve(inputs: dict, sections: dict) -> dict:
     """Section values that name an input (a fixture key) replaced by its path."""
-    return {s: {k: inputs.get(v, v) if isinstance(v, str) else v for k, v in d.items()} for s, d in sections.items()}
+    return {
+        s: {k: inputs.get(v, v) if isinstance(v, str) else v for k, v in d.items()} if isinstance(d, dict) else d
+        for s, d in sections.items()
+    }
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_distill_refuses_before_writing_anything(inputs, tmp_path, capsys, case):
+def test_distill_refuses_before_writing_anything(inputs, tmp_path, capsys, monkeypatch, case):
     sections, needles = BAD[case]
+    (tmp_path / "cache").write_text("a file: building the quickstart pair here fails at once")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe_dict(inputs, tmp_path / "run", **_resolve(inputs, sections))))
     line = distill_cli(["--recipe", str(path)], capsys)
@@ -231,6 +263,36 @@ def test_distill_leaves_an_existing_output_dir_as_it_was(inputs, tmp_path, capsy
     path.write_text(yaml.safe_dump(recipe_dict(inputs, out, draft={"model": inputs["swapped"]})))
     assert "vocabulary mismatch" in distill_cli(["--recipe", str(path), "--overwrite"], capsys)
     assert tree(out) == before and sorted(p.name for p in out.iterdir()) == ["notes"]
+
+
+def test_overwrite_keeps_a_run_whose_files_are_its_inputs(inputs, tmp_path, capsys):
+    """A finished run rerun with `draft.model=RUN/best --overwrite` (or its prompts or recipe inside RUN): one
+    error line, and best/ and checkpoints/ are still there."""
+    import shutil
+
+    from distill.run_state import RUN_MARKER
+
+    out = tmp_path / "run"
+    shutil.copytree(inputs["draft"], out / "best")
+    shutil.copytree(inputs["draft"], out / "checkpoints" / "step-4")
+    (out / RUN_MARKER).write_text("{}")
+    (out / "metrics.jsonl").write_text("")
+    shutil.copy(inputs["raw"], out / "prompts.jsonl")
+    before = tree(out)
+    cases = {
+        "draft.model": {"draft": {"model": str(out / "best")}},
+        "data.train_prompts": {"data": {"train_prompts": str(out / "prompts.jsonl")}},
+    }
+    for key, sections in cases.items():
+        path = tmp_path / "r.yaml"
+        path.write_text(yaml.safe_dump(recipe_dict(inputs, out, **sections)))
+        line = distill_cli(["--recipe", str(path), "--overwrite"], capsys)
+        assert line.startswith(f"error: --overwrite: {key} ") and "lies in output_dir" in line, line
+        assert tree(out) == before
+    path = out / "r.yaml"  # the recipe itself
+    path.write_text(yaml.safe_dump(recipe_dict(inputs, out)))
+    line = distill_cli(["--recipe", str(path), "--overwrite"], capsys)
+    assert line.startswith(f"error: --overwrite: --recipe {str(path)!r} lies in output_dir"), line
 
 
 def test_missing_gguf_package_stays_one_line_and_writes_nothing(inputs, tmp_path, capsys, monkeypatch):

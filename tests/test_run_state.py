@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,10 +16,24 @@ import pytest
 import yaml
 
 from distill.checkpoints import CheckpointInfo, beats, replace_dir, select_best, steps_to_keep, write_json_atomic
-from distill.config import Recipe, RecipeError, load_recipe, save_recipe
-from distill.run_state import RUN_MARKER, RunClock, RunState, check_resume_recipe, is_run_dir, prepare_output_dir
+from distill.config import LogConfig, Recipe, RecipeError, load_recipe, save_recipe
+from distill.run_state import (
+    RUN_DIRS,
+    RUN_FILES,
+    RUN_MARKER,
+    RunClock,
+    RunState,
+    check_resume_recipe,
+    is_run_dir,
+    prepare_output_dir,
+    read_run_id,
+    run_entries,
+    run_inputs,
+    trim_metrics,
+)
+from distill.tracking import tracker_setup
 from distill.training import Timer, eval_metrics, summary_table
-from tests.procs import HAS_PROC, load_script, running, wait_for_child
+from tests.procs import HAS_PROC, load_script, running, tiny_recipe, tiny_run_paths, wait_for_child
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -196,6 +211,113 @@ def test_a_run_is_marked_when_it_starts_and_only_runs_are_overwritten(tmp_path):
     assert is_run_dir(legacy) and not is_run_dir(legacy / "checkpoints")
     prepare_output_dir(legacy, resume=False, overwrite=True)
     assert sorted(p.name for p in legacy.iterdir()) == [RUN_MARKER]
+
+
+def finished_run(out: Path, *user_files: str) -> Path:
+    """A run directory holding every name a run writes (RUN_FILES, RUN_DIRS, a TensorBoard folder, a temporary)
+    and `user_files` (names the run never writes)."""
+    out.mkdir(parents=True)
+    for name in RUN_FILES:
+        (out / name).write_text("{}")
+    recipe = Recipe()
+    recipe.log.report_to, recipe.log.project = "tensorboard", "tb-project"
+    save_recipe(recipe, out)
+    for name in RUN_DIRS:
+        (out / name / "sub").mkdir(parents=True)
+        (out / name / "sub" / "file").write_text("run data")
+    (out / "tb-project").mkdir()
+    (out / "tb-project" / "events.out.tfevents.1.host").write_text("")
+    (out / ".tmp-report.json-123").write_text("")
+    for name in user_files:
+        path = out / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("years of work")
+    return out
+
+
+def test_overwrite_deletes_what_the_run_wrote_and_nothing_else(tmp_path):
+    """A run directory that is also where the user keeps `thesis.tex` (and a folder named like the run's
+    TensorBoard project, without event files): --overwrite removes the old run and leaves the rest."""
+    out = finished_run(tmp_path / "run", "thesis.tex", "notes/chapter1.tex", "draftsmith/keep.txt")
+    assert sorted(p.name for p in run_entries(out)) == sorted(
+        [*RUN_FILES, *RUN_DIRS, "tb-project", ".tmp-report.json-123"]
+    )
+    prepare_output_dir(out, resume=False, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == sorted([RUN_MARKER, "thesis.tex", "notes", "draftsmith"])
+    assert (out / "thesis.tex").read_text() == (out / "notes" / "chapter1.tex").read_text() == "years of work"
+    # a run written before the marker, recognised by resolved_recipe.yaml + metrics.jsonl alone
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    for name in ("resolved_recipe.yaml", "metrics.jsonl", "thesis.tex"):
+        (legacy / name).write_text("x")
+    prepare_output_dir(legacy, resume=False, overwrite=True)
+    assert sorted(p.name for p in legacy.iterdir()) == [RUN_MARKER, "thesis.tex"]
+
+
+def test_overwrite_refuses_when_an_input_lies_in_output_dir(tmp_path):
+    """`output_dir=RUN draft.model=RUN/best --overwrite` would delete the model the run is to start from (and the
+    same for the target, the prompt files, the rollout cache and the recipe file): refused, nothing deleted."""
+    out = finished_run(tmp_path / "run")
+    (out / "mine").mkdir()
+    for name in ("train.jsonl", "eval.jsonl", "recipe.yaml"):
+        (out / "mine" / name).write_text("{}")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    recipe = Recipe()
+    recipe.target.model = str(tmp_path / "elsewhere")  # not in output_dir (and not on disk): never matches
+    recipe.draft.model = str(out / "best")
+    cases = {
+        "draft.model": {},
+        "target.model": {"target": out / "checkpoints" / "sub", "draft": "HuggingFaceTB/SmolLM2-135M"},
+        "data.train_prompts": {"draft": "", "train": out / "mine" / "train.jsonl"},
+        "data.eval_prompts": {"draft": "", "eval": out / "mine" / "eval.jsonl"},
+        "distill.cache_dir": {"draft": "", "cache": out / "rollout_cache"},
+        "--recipe": {"draft": "", "recipe": out / "mine" / "recipe.yaml"},
+    }
+    for key, change in cases.items():
+        case = Recipe()
+        case.draft.model = str(change.get("draft", recipe.draft.model))
+        case.target.model = str(change.get("target", recipe.target.model))
+        case.data.train_prompts = str(change.get("train", "prompts.jsonl"))
+        case.data.eval_prompts = str(change.get("eval", ""))
+        case.distill.cache_dir = str(change.get("cache", ""))
+        inputs = run_inputs(case, str(change["recipe"]) if "recipe" in change else None)
+        with pytest.raises(RecipeError) as err:
+            prepare_output_dir(out, resume=False, overwrite=True, inputs=inputs)
+        line = str(err.value)
+        assert f"--overwrite: {key} " in line and "lies in output_dir" in line and "copy it out" in line, line
+        assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+    # --resume deletes nothing: an input in output_dir is no harm there
+    prepare_output_dir(out, resume=True, overwrite=True, inputs=run_inputs(recipe, None))
+    assert (out / "best" / "sub" / "file").is_file()
+
+
+def test_resume_keeps_the_run_id_and_overwrite_makes_a_new_one(tmp_path):
+    """The id names the W&B run: a resumed run continues it, a replaced one starts its own."""
+    out = tmp_path / "run"
+    first = prepare_output_dir(out, resume=False, overwrite=False)
+    assert read_run_id(out) == first and len(first) == 8
+    assert prepare_output_dir(out, resume=True, overwrite=False) == first
+    assert prepare_output_dir(out, resume=False, overwrite=True) != first
+    # a run whose marker holds no id: the one of its newest W&B run folder
+    (out / RUN_MARKER).write_text("{}")
+    (out / "wandb" / "offline-run-20240101_000000-aaaa1111").mkdir(parents=True)
+    (out / "wandb" / "offline-run-20240102_000000-bbbb2222").mkdir()
+    assert prepare_output_dir(out, resume=True, overwrite=False) == "bbbb2222"
+    _, kwargs = tracker_setup(LogConfig(report_to="wandb"), out, is_main=True, run_id="bbbb2222")
+    assert kwargs["wandb"]["id"] == "bbbb2222" and kwargs["wandb"]["resume"] == "allow"
+
+
+def test_trim_metrics_keeps_one_row_per_step_of_each_kind(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [
+        {"step": 0, "distributed": {"engine": "ddp"}}, {"step": 0, "eval/speedup": 1.0},
+        *({"step": s, "train/loss": 1.0 / s} for s in range(1, 6)),
+        {"step": 4, "eval/speedup": 1.5}, {"step": 4, "distributed": {"engine": "ddp"}},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "train/lo')  # a line cut by a kill
+    assert trim_metrics(path, 4) == 3  # step 5, the start record at step 4 (written again), the cut line
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert kept == [r for r in rows if r["step"] < 4 or (r["step"] == 4 and "distributed" not in r)]
 
 
 def test_write_json_atomic_fsyncs_file_and_directory(tmp_path, monkeypatch):
@@ -487,6 +609,261 @@ def test_given_models_build_only_the_prompt_files(tmp_path, monkeypatch):
     load_script("train/distill.py").resolve_local_artifacts(recipe, rebuild=False, is_main=True)
     assert Path(recipe.data.train_prompts).is_file() and Path(recipe.data.eval_prompts).is_file()
     assert recipe.target.model == "my/target"
+
+
+# ---------------------------------------------------------------- Ctrl-C / SIGTERM saves the step, --resume goes on
+
+# train/distill.py's main, each optimizer step slowed by `step_s` (through its on_step hook) and the evaluation of
+# step `hold_at` held (it writes `evaluating` beside output_dir, then sleeps until a signal cuts it short): a real
+# run, slowed so that a signal lands where a test wants it.
+SLOWED = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from tests.procs import load_script
+distill = load_script("train/distill.py")
+step_s, hold_at = float(sys.argv[2]), int(sys.argv[3])
+evaluate = distill.evaluate_checkpoint
+
+def held(*args, **kwargs):
+    samples_out = Path(args[5])  # output_dir/checkpoints/.tmp-step-N/samples.jsonl
+    if samples_out.parent.name == f".tmp-step-{hold_at}":
+        (samples_out.parents[3] / "evaluating").write_text("")
+        time.sleep(600)
+    return evaluate(*args, **kwargs)
+
+distill.evaluate_checkpoint = held
+distill.main(sys.argv[4:], on_step=lambda report: time.sleep(step_s))
+"""
+
+
+def start_slowed(tmp_path: Path, name: str, recipe: dict, *args: str, step_s: float = 0.0, hold_at: int = -1,
+                 processes: int = 1) -> tuple[subprocess.Popen, Path]:  # fmt: skip
+    """train/distill.py on `recipe` (SLOWED) in a fresh process, or `processes` over gloo under accelerate launch;
+    stdout and stderr go to tmp_path/NAME.log, returned with the process."""
+    recipe_path, script, log = tmp_path / f"{name}.yaml", tmp_path / "slowed.py", tmp_path / f"{name}.log"
+    recipe_path.write_text(yaml.safe_dump(recipe))
+    script.write_text(SLOWED)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("WANDB_DIR", None)
+    cmd = [sys.executable, str(script)]
+    if processes > 1:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--multi_gpu"]
+        cmd.append(str(script))
+        env["ACCELERATE_USE_CPU"] = "1"
+    cmd += [str(REPO), str(step_s), str(hold_at), "--recipe", str(recipe_path), *args]
+    with log.open("w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO), log
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> tuple[int, str]:
+    proc.wait(timeout=timeout_s)
+    return proc.returncode, log.read_text()
+
+
+def interrupt_when(proc: subprocess.Popen, log: Path, ready, timeout_s: float = 300) -> tuple[int, str]:
+    """SIGTERM `proc` once `ready()` holds; its exit status and output."""
+    deadline = time.time() + timeout_s
+    while not ready():
+        assert proc.poll() is None, f"the run ended before it could be interrupted:\n{log.read_text()[-3000:]}"
+        assert time.time() < deadline, "the run never got where it was to be interrupted"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    return finish(proc, log, timeout_s=120)
+
+
+def metric_rows(out: Path, key: str) -> list[dict]:
+    path = out / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return [row for row in rows if key in row]
+
+
+def error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error:")]
+
+
+SAVED = (
+    r"error: interrupted at step (\d+); saved a resume state \(checkpoints/step-\1: weights, optimizer, scheduler, "
+    r"data position, RNG\); resume with --resume"
+)
+
+
+def test_signals_in_training_wait_for_the_step_and_cut_an_evaluation_short(tmp_path, monkeypatch):
+    """Real signals to this process: armed, a SIGTERM (and the same stop passed on again) lets the step finish and
+    stops at the next step's start, saving that step; in an evaluation it stops the evaluation at once; a signal
+    REPEAT_S after the first stops at once and saves nothing; unarmed (loading) it stops at once."""
+    from accelerate import PartialState
+
+    from distill import interrupt
+
+    monkeypatch.setattr(interrupt, "REPEAT_S", 0.5)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    state, saved, step = RunState(tmp_path, Recipe()), [], 3
+    try:
+        interrupt.install()
+        with pytest.raises(KeyboardInterrupt):  # nothing armed: at once, as Python's Ctrl-C
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert interrupt.stopped(KeyboardInterrupt()) == "interrupted; resume with --resume"
+
+        interrupt.arm(PartialState(), state, lambda: step, saved.append)
+        interrupt.check()  # no stop yet
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # a launcher passing the stop on: the same one
+        step = 4  # the step in progress finished
+        with pytest.raises(interrupt.StopRequested) as stop:
+            interrupt.check()
+        assert interrupt.stopped(stop.value) == (
+            "interrupted at step 4; saved a resume state (checkpoints/step-4: weights, optimizer, scheduler, data "
+            "position, RNG); resume with --resume"
+        )
+        assert saved == [4]
+
+        interrupt.arm(PartialState(), state, lambda: step, saved.append)
+
+        def evaluate() -> dict:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            return {}
+
+        assert interrupt.evaluation(state, 1.5, evaluate) is None and state.pending_eval == {"loss": 1.5}
+        state.pending_eval = None
+        assert interrupt.evaluation(state, 2.0, lambda: {}) is None  # a stop is pending: no evaluation starts
+        assert state.pending_eval == {"loss": 2.0}
+        time.sleep(0.6)
+        with pytest.raises(KeyboardInterrupt) as again:  # REPEAT_S after the first: at once
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert interrupt.stopped(again.value).startswith("interrupted again before step 5 ended: nothing more saved")
+        assert saved == [4]
+    finally:
+        interrupt.disarm()
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+
+
+@pytest.mark.slow
+def test_sigterm_in_training_saves_the_step_and_resume_goes_on_from_it(tmp_path):
+    """Interrupted at step k > 0 of 8 (evaluations at step 0 and 8): the state of step k is saved, and --resume
+    continues at step k, does not measure the base again, logs each step once, continues the W&B run and ends
+    with the weights of the run that was never interrupted."""
+    paths = tiny_run_paths(tmp_path / "assets")
+
+    def recipe(out: Path) -> dict:
+        return tiny_recipe(paths, out, {"max_new_tokens": 8}, {"max_steps": 8, "batch_size": 2},
+                           log={"report_to": "wandb"})  # fmt: skip
+
+    ref = tmp_path / "ref"
+    rc, output = finish(*start_slowed(tmp_path, "ref", recipe(ref)))
+    assert rc == 0, output[-3000:]
+    out = tmp_path / "run"
+    proc, log = start_slowed(tmp_path, "run", recipe(out), step_s=0.5)
+    rc, output = interrupt_when(proc, log, lambda: any(r["step"] >= 2 for r in metric_rows(out, "train/loss")))
+    assert rc == 2, output[-3000:]
+    assert len(error_lines(output)) == 1, output[-3000:]
+    saved = re.fullmatch(SAVED, error_lines(output)[0])
+    assert saved, error_lines(output)
+    step = int(saved.group(1))
+    assert 2 <= step < 8
+    checkpoint = out / "checkpoints" / f"step-{step}"
+    assert (checkpoint / "state").is_dir() and not (checkpoint / "eval.json").exists()
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
+    assert [r["step"] for r in metric_rows(out, "train/loss")] == list(range(1, step + 1))
+    base = (out / "base_eval.json").read_text()
+
+    rc, output = finish(*start_slowed(tmp_path, "resumed", recipe(out), "--resume"))
+    assert rc == 0, output[-3000:]
+    assert f"resumed from {checkpoint} (step {step}," in output
+    assert "eval step 0:" not in output and "eval step 8:" in output
+    assert (out / "base_eval.json").read_text() == base  # the base measured once
+    assert [r["step"] for r in metric_rows(out, "train/loss")] == list(range(1, 9))
+    assert [r["step"] for r in metric_rows(out, "eval/speedup")] == [0, 8]
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and {r.name.rsplit("-", 1)[-1] for r in runs} == {read_run_id(out)}
+    mine, theirs = (json.loads((d / "report.json").read_text()) for d in (out, ref))
+    assert [c["step"] for c in mine["checkpoints"]] == [0, 8]
+    assert mine["param_checksums"] == pytest.approx(theirs["param_checksums"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_sigterm_in_the_last_evaluation_keeps_every_step(tmp_path):
+    """eval.at_start false (as the EAGLE-3 recipes), interrupted in its one evaluation, at the last step: the
+    4 steps are kept, and --resume evaluates step 4 and finishes the run without training again."""
+    paths = tiny_run_paths(tmp_path / "assets")
+    recipe = tiny_recipe(paths, tmp_path / "run", {"max_new_tokens": 8}, {"max_steps": 4, "batch_size": 2},
+                         eval={"at_start": False})  # fmt: skip
+    out = tmp_path / "run"
+    proc, log = start_slowed(tmp_path, "run", recipe, hold_at=4)
+    rc, output = interrupt_when(proc, log, (tmp_path / "evaluating").is_file)
+    assert rc == 2, output[-3000:]
+    assert error_lines(output) == [
+        "error: interrupted at step 4; its resume state is checkpoints/step-4 (its evaluation was cut short: "
+        "--resume runs it first); resume with --resume"
+    ], output[-3000:]
+    checkpoint = out / "checkpoints" / "step-4"
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["state", "trainer_state.json"]
+    pending = json.loads((checkpoint / "trainer_state.json").read_text())["pending_eval"]
+    assert pending["loss"] == pytest.approx(metric_rows(out, "train/loss")[-1]["train/loss"])
+    assert not (out / "best").exists() and not (out / "report.json").exists()
+
+    rc, output = finish(*start_slowed(tmp_path, "resumed", recipe, "--resume"))
+    assert rc == 0, output[-3000:]
+    assert f"resumed from {checkpoint} (step 4," in output and "eval step 4:" in output
+    assert [r["step"] for r in metric_rows(out, "train/loss")] == [1, 2, 3, 4]
+    assert [r["step"] for r in metric_rows(out, "eval/speedup")] == [4]
+    report = json.loads((out / "report.json").read_text())
+    assert report["base"] is None and report["best_step"] == 4
+    assert report["checkpoints"][0]["loss"] == pytest.approx(pending["loss"])
+
+
+@pytest.mark.slow
+def test_resume_from_step_0_does_not_measure_the_base_again(tmp_path):
+    """Killed (-9) after the base evaluation and a step or two: --resume starts at step 0 from checkpoints/step-0,
+    which holds the base's evaluation: it is not measured again, and the rows the killed run logged past step 0
+    are logged once, by the resumed run."""
+    paths = tiny_run_paths(tmp_path / "assets")
+    recipe = tiny_recipe(paths, tmp_path / "run", {"max_new_tokens": 8}, {"max_steps": 4, "batch_size": 2})
+    out = tmp_path / "run"
+    proc, log = start_slowed(tmp_path, "run", recipe, step_s=0.5)
+    deadline = time.time() + 300
+    while not ((out / "checkpoints" / "step-0").is_dir() and metric_rows(out, "train/loss")):
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    base = (out / "base_eval.json").read_text()
+    rc, output = finish(*start_slowed(tmp_path, "resumed", recipe, "--resume"))
+    assert rc == 0, output[-3000:]
+    assert f"resumed from {out / 'checkpoints' / 'step-0'} (step 0," in output and "eval step 0:" not in output
+    assert (out / "base_eval.json").read_text() == base
+    assert [r["step"] for r in metric_rows(out, "eval/speedup")] == [0, 4]
+    assert [r["step"] for r in metric_rows(out, "train/loss")] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_sigterm_to_two_processes_saves_the_same_step_on_both(tmp_path):
+    """accelerate launch, 2 processes over gloo: the launcher passes SIGTERM on to both, they stop at the same
+    step and save it together (each one's RNG state), and a 2-process --resume finishes the run."""
+    paths = tiny_run_paths(tmp_path / "assets")
+    recipe = tiny_recipe(paths, tmp_path / "run", {"max_new_tokens": 8}, {"max_steps": 8, "batch_size": 1},
+                         eval={"at_start": False})  # fmt: skip
+    out = tmp_path / "run"
+    proc, log = start_slowed(tmp_path, "run", recipe, step_s=0.5, processes=2)
+    rc, output = interrupt_when(proc, log, lambda: any(r["step"] >= 2 for r in metric_rows(out, "train/loss")))
+    assert rc != 0, output[-3000:]
+    lines = error_lines(output)
+    assert len(lines) == 2 and lines[0] == lines[1], output[-3000:]  # one line per process, the same step
+    saved = re.fullmatch(SAVED, lines[0])
+    assert saved, lines
+    state = out / "checkpoints" / f"step-{saved.group(1)}" / "state"
+    assert (state / "random_states_0.pkl").is_file() and (state / "random_states_1.pkl").is_file()
+
+    rc, output = finish(*start_slowed(tmp_path, "resumed", recipe, "--resume", processes=2))
+    assert rc == 0, output[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["world_size"] == 2 and report["param_checksums"][0] == report["param_checksums"][1]
+    assert [r["step"] for r in metric_rows(out, "train/loss")] == list(range(1, 9))
 
 
 # ---------------------------------------------------------------- SIGTERM stops the quickstart build

@@ -17,7 +17,8 @@ Writes under output_dir (docs/run-directory.md): resolved_recipe.yaml, metrics.j
 highest measured speedup beyond the timing noise: a later checkpoint replaces it only when the lower end of its
 95% speedup interval is above best's speedup (within the noise, the more tokens per target pass win: tau, then the
 later step). train.max_minutes counts the training clock: training steps and the generation of their data, not
-evaluation, checkpoints or loading; it continues across --resume. SIGTERM stops a run like Ctrl-C.
+evaluation, checkpoints or loading; it continues across --resume. Ctrl-C or SIGTERM stops a run after its
+current step and saves that step's resume state (distill/interrupt.py); an evaluation is cut short at once.
 
 From Python: `main(argv, on_step=callback)` calls `callback(StepReport)` after every optimizer step.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))  # run from a source checkout without installing
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from distill import interrupt  # noqa: E402
 from distill.build import build_accelerator, build_data, build_source, pregenerate, resume_state  # noqa: E402
 from distill.checkpoints import DiskFullError, newest_checkpoint  # noqa: E402
 from distill.config import Recipe, RecipeError, dump_recipe, load_recipe, save_recipe, to_dict  # noqa: E402
@@ -57,7 +58,7 @@ from distill.loop import (  # noqa: E402
     time_is_up,
     write_report,
 )
-from distill.run_state import RunState, check_resume_recipe, prepare_output_dir  # noqa: E402
+from distill.run_state import RunState, check_resume_recipe, prepare_output_dir, run_inputs  # noqa: E402
 from distill.training import (  # noqa: E402
     MetricsLog,
     Timer,
@@ -124,16 +125,6 @@ def resolve_local_artifacts(recipe: Recipe, rebuild: bool, is_main: bool) -> Non
         recipe.data.eval_prompts = recipe.data.eval_prompts or str(eval_prompts)
 
 
-def raise_on_sigterm() -> None:
-    """SIGTERM (a scheduler's or `kill`'s stop) unwinds like Ctrl-C: temporaries are removed, child
-    processes (a quickstart build) are stopped, and the run can be resumed."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -147,11 +138,11 @@ def main(argv: list[str] | None = None, on_step: Callable[[StepReport], None] | 
     if args.print_config:
         print(dump_recipe(recipe), end="")
         return
-    raise_on_sigterm()
+    interrupt.install()  # SIGTERM stops a run like Ctrl-C; in training, after saving the step's state
     try:
         run(recipe, args, on_step=on_step)
-    except KeyboardInterrupt:
-        fail("interrupted; resume with --resume")
+    except KeyboardInterrupt as err:
+        fail(interrupt.stopped(err))
     except (RecipeError, ValueError, FileNotFoundError, DiskFullError, NonFiniteLoss) as err:
         fail(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
 
@@ -168,9 +159,8 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     state = RunState(Path(recipe.output_dir).resolve(), recipe)
     out, ckpt_root = state.out, state.ckpt_root
     is_main = int(os.environ.get("RANK", "0")) == 0
-    if is_main:
-        prepare_output_dir(out, args.resume, args.overwrite)
-    accelerator, init_kwargs, mixed_precision = build_accelerator(recipe, out, is_main)
+    run_id = prepare_output_dir(out, args.resume, args.overwrite, run_inputs(recipe, args.recipe)) if is_main else None
+    accelerator, init_kwargs, mixed_precision = build_accelerator(recipe, out, is_main, run_id)
     set_seed(recipe.train.seed)
     with accelerator.main_process_first():
         resolve_local_artifacts(recipe, args.rebuild, accelerator.is_main_process)
@@ -235,12 +225,13 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     )
 
     # ---- loop
-    if start_step == 0 and recipe.eval.at_start:
-        evaluate_and_save(checkpoint, 0, None, 0.0)
+    step = start_step
+    interrupt.arm(accelerator, state, lambda: step, lambda at: save_state_only(accelerator, state, at))
+    if state.evaluate_first(recipe.eval.at_start):  # the starting draft; on --resume, an evaluation cut short
+        evaluate_and_save(checkpoint, start_step, state.pending_loss, state.train_s)
     clock.elapsed_s = shared_elapsed_s(accelerator, timer)
     clock.start_steps(state.clock.step_s)  # eval.every_minutes counts minutes of steps, continued by --resume
     draft.train()
-    step = start_step
     with tqdm(
         # schedule_by=minutes: max_steps is only a cap, so the bar counts steps without a misleading total
         total=recipe.train.max_steps if recipe.train.schedule_by == "steps" else None,
@@ -249,6 +240,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
         disable=not accelerator.is_main_process,
     ) as bar:
         while step < recipe.train.max_steps:
+            interrupt.check()  # Ctrl-C, SIGTERM: every process stops here, at the same step, and saves it
             with timer.running():
                 t0 = time.perf_counter()
                 tally = StepTally(recipe.train.grad_accum)
@@ -308,6 +300,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                 if accelerator.is_main_process:
                     tqdm.write(f"train.max_minutes={recipe.train.max_minutes} reached at step {step}")
                 break
+    interrupt.finish()  # interrupted in the last step or its evaluation: stop before the report, as check() does
 
     # ---- save
     checksums = accelerator.gather(
