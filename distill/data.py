@@ -133,7 +133,7 @@ def check_prompt_source(source: str, *, key: str, prompt_field: str = "prompt") 
         except ValueError as err:
             raise ValueError(f"{key}: {err}") from None
     elif not path.exists():
-        from distill.models import hub_offline
+        from distill.hub import hub_offline
 
         offline = hub_offline()
         if offline or path.suffix == ".jsonl" or source.startswith((".", "/", "~")) or source.count("/") > 1:
