@@ -251,18 +251,45 @@ def _masked_head_text(head: dict | None) -> str:
     )
 
 
-def vllm_spec(repo_id: str, gamma: int) -> str:
+def sample_key(sample_method: str | None) -> dict:
+    """The ``draft_sample_method`` a card's vLLM lines set: probabilistic (vLLM >= 0.32 drafts from q, which
+    accepts more at T > 0) unless the recipe's eval.vllm_draft_sample_method is greedy (then vLLM's default)."""
+    return {} if sample_method == "greedy" else {"draft_sample_method": "probabilistic"}
+
+
+def vllm_spec(repo_id: str, gamma: int, sample_method: str | None = None) -> str:
     """vLLM's `--speculative-config` for a plain draft model (method draft_model, gamma tokens per round)."""
-    return json.dumps({"method": "draft_model", "model": repo_id, "num_speculative_tokens": gamma})
+    spec = {"method": "draft_model", "model": repo_id, "num_speculative_tokens": gamma, **sample_key(sample_method)}
+    return json.dumps(spec)
 
 
-def eagle3_usage(target: str, repo_id: str, gamma: int, tree: str | None = None) -> list[str]:
+def eagle3_usage(
+    target: str,
+    repo_id: str,
+    gamma: int,
+    tree: str | None = None,
+    sample_method: str | None = None,
+    verifier: str | None = None,
+) -> list[str]:
     """Launch lines for an EAGLE-3 head: vLLM's ``method: eagle3`` and SGLang's EAGLE3; no HF assisted generation.
 
     ``tree``: the ``tree:TOPK,DEPTH,NODES`` the figures were measured with, if any: SGLang and draftsmith then
-    draft that tree; vLLM drafts a chain of ``gamma`` (the tree's depth).
+    draft that tree; vLLM drafts a chain of ``gamma`` (the tree's depth). ``verifier``: the target the head's
+    config.json names (speculators_config), which lets ``vllm serve REPO`` run with no speculative flags.
     """
-    spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": gamma})
+    extra = sample_key(sample_method)
+    spec = json.dumps({"method": "eagle3", "model": repo_id, "num_speculative_tokens": gamma, **extra})
+    alone = [] if not verifier else [
+        f"The head's `config.json` names its target ({verifier}) and {gamma} speculative tokens "
+        "(`speculators_config`), so vLLM serves it with no speculative flags:",
+        "",
+        "```bash",
+        f"vllm serve {repo_id}" + (f" --speculative-config '{json.dumps(extra)}'" if extra else ""),
+        "```",
+        "",
+        "or with the target named:",
+        "",
+    ]  # fmt: skip
     topk, steps, verified, draftsmith = 1, gamma, gamma + 1, str(gamma)
     if tree is not None:
         shape = parse_tree(tree)
@@ -275,7 +302,10 @@ def eagle3_usage(target: str, repo_id: str, gamma: int, tree: str | None = None)
         "the target. HF assisted generation (`generate(assistant_model=...)`) cannot run this kind: it needs a "
         "standalone causal LM as the assistant.",
         "",
-        *_vllm_serve(target, spec),
+        "vLLM:",
+        "",
+        *alone,
+        *_vllm_serve(target, spec)[2:],
         "",
         "SGLang:",
         "",
@@ -299,8 +329,8 @@ def _vllm_serve(target: str, spec: str) -> list[str]:
     return ["vLLM:", "", "```bash", f"vllm serve {target} --speculative-config '{spec}'", "```"]
 
 
-def _usage(target: str, repo_id: str, gamma: int) -> list[str]:
-    spec = vllm_spec(repo_id, gamma)
+def _usage(target: str, repo_id: str, gamma: int, sample_method: str | None = None) -> list[str]:
+    spec = vllm_spec(repo_id, gamma, sample_method)
     return [
         "## Usage",
         "",
@@ -367,9 +397,11 @@ def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) 
     lines += _figures(info)
     if eagle3:
         spec = best.get("num_draft_tokens")
-        lines += [""] + eagle3_usage(target, repo_id, gamma, spec if is_tree_spec(spec) else None)
+        tree = spec if is_tree_spec(spec) else None
+        sample = info.get("vllm_draft_sample_method")
+        lines += [""] + eagle3_usage(target, repo_id, gamma, tree, sample, info.get("verifier"))
     else:
-        lines += [""] + _usage(target, repo_id, gamma)
+        lines += [""] + _usage(target, repo_id, gamma, info.get("vllm_draft_sample_method"))
     prompts_file = info["prompts"] if str(info["prompts"]).endswith(".jsonl") else "PROMPTS.jsonl"
     lines += [
         "## Reproduce",

@@ -251,8 +251,12 @@ class RunState:
 
         if getattr(draft, "kind", None) == "eagle3":  # the served format: config.json + model.safetensors
             from decode.kinds import eagle3
+            from decode.kinds.eagle3_formats import verifier_name
+            from distill.draft_folder import best_gamma
 
-            eagle3.save(draft, tmp)
+            # speculators keys: `vllm serve best/` runs the recipe's target with the gamma measured here
+            verifier = verifier_name(self.recipe.target.model)
+            eagle3.save(draft, tmp, verifier=verifier, speculative_tokens=best_gamma(result))
             tokenizer.save_pretrained(tmp)  # the head has the target's tokenizer; engines and the card read it
         elif self.draft_vocab is None:
             models.save_draft(draft, tmp, tokenizer)

@@ -28,12 +28,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from decode.compat import model_name, text_config
+from decode.kinds import eagle3_formats
 from decode.kinds.standalone import Verified, all_real, draft_tokens, stack
 
 NAME = "eagle3"
@@ -117,6 +118,10 @@ class Eagle3Layer(nn.Module):
 class Eagle3Head(nn.Module):
     """fc -> one layer -> norm -> lm_head over the draft vocabulary; ``embed_tokens`` is the target's (frozen).
 
+    Two variants other trainers write (config keys as vLLM reads them): ``norm_before_fc`` (an ``input_norm``
+    RMSNorm over the 3 fused features before ``fc``) and ``norm_before_residual`` (the layer's residual stream starts
+    from ``hidden_norm`` of its input instead of the input). draftsmith builds heads with both off.
+
     Buffers: ``draft_ids`` [Vd] target id of each draft id; ``d2t`` = draft_ids - arange (the served offsets).
     """
 
@@ -129,6 +134,8 @@ class Eagle3Head(nn.Module):
         # The target's embedding, not a submodule: never saved, trained, moved or cast with the head.
         object.__setattr__(self, "embed_tokens", embed_tokens)
         self.fc = nn.Linear(3 * config.target_hidden_size, hidden, bias=False)
+        if getattr(config, "norm_before_fc", False):  # one RMSNorm over the fused features before fc (vLLM's name)
+            self.input_norm = LlamaRMSNorm(3 * config.target_hidden_size, eps=config.rms_norm_eps)
         self.midlayer = Eagle3Layer(config)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, len(draft_ids), bias=False)
@@ -157,10 +164,13 @@ class Eagle3Head(nn.Module):
     def _layer_in(self, ids: torch.Tensor, hidden: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention input [B, S, 2H], residual [B, S, H]) from token ids and features (or own hidden states)."""
         if fused:
-            hidden = self.fc(hidden.to(self.fc.weight.dtype))
+            hidden = hidden.to(self.fc.weight.dtype)
+            hidden = self.fc(self.input_norm(hidden) if hasattr(self, "input_norm") else hidden)
         layer = self.midlayer
         embeds = layer.input_layernorm(self.embed_tokens(ids).to(hidden.dtype))
-        return torch.cat([embeds, layer.hidden_norm(hidden)], -1), hidden
+        normed = layer.hidden_norm(hidden)
+        residual = normed if getattr(self.config, "norm_before_residual", False) else hidden  # the variant's stream
+        return torch.cat([embeds, normed], -1), residual
 
     def _layer_out(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft logits [B, S, Vd], pre-norm hidden [B, S, H]) after attention."""
@@ -423,8 +433,9 @@ def check_hidden_states(target: nn.Module) -> None:
         )
 
 
-def served_config(head: Eagle3Head) -> dict:
-    """config.json as vLLM and SGLang read it (module docstring: the layer-id conventions)."""
+def served_config(head: Eagle3Head, verifier: str | None = None, speculative_tokens: int = TTT_STEPS) -> dict:
+    """config.json as vLLM and SGLang read it (module docstring: the layer-id conventions); with ``verifier`` (the
+    target's Hub id or path) also the speculators keys, so that ``vllm serve`` of the folder alone serves it."""
     config = head.config.to_dict()
     config.pop("transformers_version", None)
     aux = head.aux_layers
@@ -434,11 +445,22 @@ def served_config(head: Eagle3Head) -> dict:
     config["rope_theta"] = float(head.config.rope_parameters.get("rope_theta", 10000.0))
     config["draftsmith"] = {"draft_kind": NAME}
     config["torch_dtype"] = str(head.fc.weight.dtype).replace("torch.", "")
+    if verifier:
+        archs = eagle3_formats.verifier_architectures(verifier)
+        config.update(eagle3_formats.speculators_fields(verifier, speculative_tokens, archs))
     return config
 
 
-def save(head: Eagle3Head, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write the served checkpoint (config.json + model.safetensors) into ``directory``; no embedding."""
+def save(
+    head: Eagle3Head,
+    directory: str | Path,
+    dtype: torch.dtype | None = None,
+    *,
+    verifier: str | None = None,
+    speculative_tokens: int = TTT_STEPS,
+) -> Path:
+    """Write the served checkpoint (config.json + model.safetensors) into ``directory``; no embedding.
+    ``verifier`` and ``speculative_tokens``: the speculators keys (:func:`served_config`)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     dtype = dtype or head.fc.weight.dtype
@@ -453,7 +475,7 @@ def save(head: Eagle3Head, directory: str | Path, dtype: torch.dtype | None = No
         t2d = torch.zeros(head.vocab, dtype=torch.bool)
         t2d[ids] = True
         tensors["t2d"] = t2d
-    config = served_config(head)
+    config = served_config(head, verifier, speculative_tokens)
     config["torch_dtype"] = str(dtype).replace("torch.", "")
     save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -466,20 +488,21 @@ def is_eagle3(path: str | Path) -> bool:
     if not config.is_file():
         return False
     try:
-        archs = json.loads(config.read_text()).get("architectures") or []
+        raw = json.loads(config.read_text())
     except ValueError:
         return False
-    return any("Eagle3" in a for a in archs)
+    return any("Eagle3" in a for a in raw.get("architectures") or []) or "speculators_model_type" in raw
 
 
 def load(directory: str | Path, target: nn.Module) -> Eagle3Head:
-    """The head saved in ``directory``, on the target's device, sharing the target's embedding.
+    """The head saved in ``directory`` (any layout of ``decode.kinds.eagle3_formats``), on the target's device,
+    sharing the target's embedding.
 
     Raises:
         ValueError: the head does not fit the target (vocabulary, hidden width, layer ids).
     """
     directory = Path(directory)
-    raw = json.loads((directory / "config.json").read_text())
+    raw, tensors, _ = eagle3_formats.read(directory, int(text_config(target).num_hidden_layers))
     for key in ("eagle_config", "draftsmith", "architectures", "torch_dtype"):
         raw.pop(key, None)
     config = LlamaConfig(**raw)
@@ -493,7 +516,6 @@ def load(directory: str | Path, target: nn.Module) -> Eagle3Head:
     config.eagle_aux_hidden_state_layer_ids = check_aux_layers(
         config.eagle_aux_hidden_state_layer_ids, int(tc.num_hidden_layers)
     )
-    tensors = load_file(str(directory / WEIGHTS))
     d2t = tensors.pop("d2t", None)
     tensors.pop("t2d", None)
     if d2t is None and int(config.draft_vocab_size) != int(config.vocab_size):
