@@ -56,7 +56,7 @@ def check_inputs(recipe: Recipe) -> None:
 
 def check_eagle3_folder(path: str) -> None:
     """draft.kind=eagle3 with a draft.model: it must be an EAGLE-3 head folder (the head to start from)."""
-    from decode.kinds import eagle3
+    from decode.kinds import eagle3, eagle3_formats
 
     if not eagle3.is_eagle3(path):
         raise ValueError(
@@ -64,6 +64,7 @@ def check_eagle3_folder(path: str) -> None:
             f"[{eagle3.ARCHITECTURE}]): leave draft.model empty to build the head from the target, or set "
             "draft.kind=standalone"
         )
+    eagle3_formats.check(path)  # its layout and variants, before the run writes anything
 
 
 def _known_model(cfg: ModelConfig, key: str, later: bool) -> str | None:

@@ -97,7 +97,31 @@ def load_tensors(directory: Path) -> dict[str, torch.Tensor]:
     )
 
 
-def detect(config: dict, tensors: dict[str, torch.Tensor]) -> str:
+def tensor_names(directory: Path) -> list[str]:
+    """The tensor names of the folder's weights, read without loading a safetensors file's data."""
+    from safetensors import safe_open
+
+    if (directory / "model.safetensors").is_file():
+        with safe_open(str(directory / "model.safetensors"), "pt") as f:
+            return list(f.keys())
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    return list(load_tensors(directory))
+
+
+def check(directory: str | Path) -> str:
+    """The format of the head in ``directory`` after the checks :func:`read` makes on its config (one-line
+    ValueError otherwise), reading no tensor data: what a run checks before it writes anything."""
+    directory = Path(directory)
+    config = json.loads((directory / "config.json").read_text())
+    fmt = detect(config, dict.fromkeys(tensor_names(directory)))
+    converted = _from_speculators(config, {})[0] if fmt == "speculators" else _from_flat(config, fmt)
+    _check_variants(converted, fmt)
+    return fmt
+
+
+def detect(config: dict, tensors: dict) -> str:
     """Which of :data:`FORMATS` ``config`` and ``tensors`` are, or ValueError naming the fields found."""
     flat = all(k in config for k in ("hidden_size", "num_attention_heads", "vocab_size"))
     if flat and any(k.startswith("midlayer.") for k in tensors):
