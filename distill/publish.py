@@ -497,9 +497,10 @@ def name_verifier(config_json: Path, verifier: str | None, gamma: int, notes: li
     config = json.loads(config_json.read_text())
     old = config.pop("speculators_config", None) or {}
     config.pop("speculators_model_type", None)
+    config.pop("transformer_layer_config", None)
     if verifier:
         archs = (old.get("verifier") or {}).get("architectures") or []
-        config.update(speculators_fields(verifier, gamma, archs))
+        config.update(speculators_fields(config, verifier, gamma, archs))
     else:
         notes.append(
             "config.json names no verifier (speculators_config), so `vllm serve` of this repo needs the target's "

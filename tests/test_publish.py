@@ -880,7 +880,7 @@ def test_published_eagle3_head_names_its_verifier_for_vllm(eagle3_run, tmp_path)
 
     local = build_publish_folder(eagle3_run, tmp_path / "local", repo)
     config = json.loads((local / "config.json").read_text())
-    assert "speculators_config" not in config and "speculators_model_type" not in config
+    assert not {"speculators_config", "speculators_model_type", "transformer_layer_config"} & set(config)
     info = json.loads((local / "draftsmith_eval.json").read_text())
     assert info["verifier"] is None and any("--verifier HUB_ID" in n for n in info["notes"])
     assert f"vllm serve {repo}" not in (local / "README.md").read_text()

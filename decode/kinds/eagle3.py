@@ -447,7 +447,7 @@ def served_config(head: Eagle3Head, verifier: str | None = None, speculative_tok
     config["torch_dtype"] = str(head.fc.weight.dtype).replace("torch.", "")
     if verifier:
         archs = eagle3_formats.verifier_architectures(verifier)
-        config.update(eagle3_formats.speculators_fields(verifier, speculative_tokens, archs))
+        config.update(eagle3_formats.speculators_fields(config, verifier, speculative_tokens, archs))
     return config
 
 

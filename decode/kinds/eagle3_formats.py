@@ -37,7 +37,8 @@ FORMATS = ("native", "speculators", "eagle", "specforge")
 # Config keys that say how a file was made, not what the head computes (dropped before LlamaConfig).
 PROVENANCE = (
     "architectures", "torch_dtype", "dtype", "transformers_version", "draftsmith", "eagle_config",
-    "speculators_model_type", "speculators_config", "speculators_version", "auto_map", "_name_or_path",
+    "speculators_model_type", "speculators_config", "speculators_version", "transformer_layer_config", "auto_map",
+    "_name_or_path",
 )  # fmt: skip
 # Variants the native head does not run: key -> what it means (read in speculators' and SpecForge's eagle3 code).
 REFUSED = {
@@ -49,12 +50,20 @@ REFUSED = {
 NOT_HEAD = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")
 
 
-def speculators_fields(verifier: str, speculative_tokens: int, verifier_architectures: list[str]) -> dict:
-    """The speculators keys of a native head's config.json: vLLM's ``LLM(model=HEAD)`` then loads ``verifier`` as
-    the target and drafts ``speculative_tokens`` per step (greedy proposals: the only kind speculators names)."""
+def speculators_fields(
+    config: dict, verifier: str, speculative_tokens: int, verifier_architectures: list[str]
+) -> dict:
+    """The speculators keys of a native head's config.json (``config``, whose Llama keys are repeated as the
+    ``transformer_layer_config`` vLLM requires): vLLM's ``LLM(model=HEAD)`` then loads ``verifier`` as the target
+    and drafts ``speculative_tokens`` per step (greedy proposals: the only kind speculators names)."""
+    from transformers import LlamaConfig
+
+    llama = set(LlamaConfig().to_dict()) - {"architectures", "transformers_version", "torch_dtype", "dtype"}
+    layer = {k: v for k, v in config.items() if k in llama}
     greedy = {"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens), "verifier_accept_k": 1}
     return {
         "speculators_model_type": "eagle3",
+        "transformer_layer_config": {**layer, "model_type": "llama", "architectures": ["LlamaForCausalLM"]},
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{**greedy, "accept_tolerance": 0.0}],
