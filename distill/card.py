@@ -270,25 +270,42 @@ def _masked_head_text(head: dict | None) -> str:
     )
 
 
-def vllm_spec(repo_id: str, gamma: int) -> str:
+def sample_key(sample_method: str | None) -> dict:
+    """The ``draft_sample_method`` a card's vLLM lines set: probabilistic (vLLM >= 0.32 drafts from q, which
+    accepts more at T > 0) unless the recipe's eval.vllm_draft_sample_method is greedy (then vLLM's default)."""
+    return {} if sample_method == "greedy" else {"draft_sample_method": "probabilistic"}
+
+
+def vllm_spec(repo_id: str, gamma: int, sample_method: str | None = None) -> str:
     """vLLM's `--speculative-config` for a plain draft model (method draft_model, gamma tokens per round)."""
-    return json.dumps({"method": "draft_model", "model": repo_id, "num_speculative_tokens": gamma})
+    spec = {"method": "draft_model", "model": repo_id, "num_speculative_tokens": gamma, **sample_key(sample_method)}
+    return json.dumps(spec)
 
 
-def eagle3_usage(target: str, repo_id: str, gamma: int, tree: str | None = None) -> list[str]:
+def eagle3_usage(
+    target: str,
+    repo_id: str,
+    gamma: int,
+    tree: str | None = None,
+    sample_method: str | None = None,
+    verifier: str | None = None,
+) -> list[str]:
     """The card's usage section for an EAGLE-3 head: what it is, then :func:`decode.kinds.eagle3.usage` (vLLM's
-    ``method: eagle3``, SGLang's EAGLE3, draftsmith; no HF assisted generation)."""
+    ``method: eagle3`` with the recipe's draft_sample_method, SGLang's EAGLE3, draftsmith; no HF assisted
+    generation). ``verifier``: the target the head's config.json names (speculators_config), which lets
+    ``vllm serve REPO`` run with no speculative flags."""
     from decode.kinds import eagle3
 
-    return ["## Usage", "", eagle3.WHAT_IT_IS, "", *eagle3.usage(target, repo_id, gamma, tree)]
+    lines = eagle3.usage(target, repo_id, gamma, tree, spec_extra=sample_key(sample_method), verifier=verifier)
+    return ["## Usage", "", eagle3.WHAT_IT_IS, "", *lines]
 
 
 def _vllm_serve(target: str, spec: str) -> list[str]:
     return ["vLLM:", "", "```bash", f"vllm serve {target} --speculative-config '{spec}'", "```"]
 
 
-def _usage(target: str, repo_id: str, gamma: int) -> list[str]:
-    spec = vllm_spec(repo_id, gamma)
+def _usage(target: str, repo_id: str, gamma: int, sample_method: str | None = None) -> list[str]:
+    spec = vllm_spec(repo_id, gamma, sample_method)
     return [
         "## Usage",
         "",
@@ -373,9 +390,11 @@ def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) 
     lines += _figures(info)
     if eagle3:
         spec = best.get("num_draft_tokens")
-        lines += [""] + eagle3_usage(target, repo_id, gamma, spec if is_tree_spec(spec) else None)
+        tree = spec if is_tree_spec(spec) else None
+        sample = info.get("vllm_draft_sample_method")
+        lines += [""] + eagle3_usage(target, repo_id, gamma, tree, sample, info.get("verifier"))
     else:
-        lines += [""] + _usage(target, repo_id, gamma)
+        lines += [""] + _usage(target, repo_id, gamma, info.get("vllm_draft_sample_method"))
     supply = info.get("reproduce_inputs") or {}
     prompts_file = info["prompts"] if str(info["prompts"]).endswith(".jsonl") else "PROMPTS.jsonl"
     prompts_file = supply.get("data.eval_prompts", prompts_file)

@@ -343,6 +343,11 @@ class EvalConfig:
     keep_top_k: int = _f(2, "checkpoints kept, ranked by measured speedup (ties: tau)")
     engine: str = _f("draftsmith", "what measures every evaluation (eval.json): draftsmith or vllm")
     extra_engines: list[str] = _f([], "engines that also measure best/ at the end (best/eval_<engine>.json)")
+    vllm_draft_sample_method: str = _f(
+        "auto",
+        "how vLLM's drafter picks tokens when vLLM measures (draft_sample_method), also in the card's vLLM lines: "
+        "auto (default: probabilistic where the vLLM build has the setting, >= 0.32), probabilistic, greedy",
+    )
 
     def __post_init__(self) -> None:
         _check(self.every > 0, "eval.every", f"must be > 0, got {self.every}")
@@ -351,6 +356,13 @@ class EvalConfig:
         _check(self.engine in ENGINES, "eval.engine", f"unknown engine {self.engine!r}; choose one of {valid}")
         for name in self.extra_engines:
             _check(name in ENGINES, "eval.extra_engines", f"unknown engine {name!r}; choose from {valid}")
+        from decode.vllm_engine import SAMPLE_METHODS  # stdlib only: no vLLM, no torch
+
+        _check(
+            self.vllm_draft_sample_method in SAMPLE_METHODS,
+            "eval.vllm_draft_sample_method",
+            f"unknown method {self.vllm_draft_sample_method!r}; choose one of {', '.join(SAMPLE_METHODS)}",
+        )
         _check(self.num_prompts > 0, "eval.num_prompts", "must be > 0")
         _check(self.temperature >= 0, "eval.temperature", "must be >= 0")
         if isinstance(self.num_draft_tokens, str) and self.num_draft_tokens.startswith("tree"):

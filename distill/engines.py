@@ -108,6 +108,7 @@ def evaluate_vllm(
         else:
             draft_dir = save_draft_for_vllm(draft, tokenizer, target.config, Path(tmp) / "draft", dtype=dtype)
         settings = _bench_settings(recipe, _dtype_name(dtype))
+        settings["draft_sample_method"] = recipe.eval.vllm_draft_sample_method
         settings["samples_out"] = str(samples_out) if samples_out is not None else None
         result = bench_in_subprocess(
             recipe.target.model, draft_dir, prompts, settings=settings, out_json=Path(tmp) / "eval.json"
@@ -147,7 +148,7 @@ def _bench_vllm(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype: str)
 
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as tmp:
         draft_dir = draft_dir_for_vllm(recipe.target.model, str(best), dtype, Path(tmp))
-        settings = _bench_settings(recipe, dtype)
+        settings = {**_bench_settings(recipe, dtype), "draft_sample_method": recipe.eval.vllm_draft_sample_method}
         return bench_in_subprocess(
             recipe.target.model, draft_dir, prompts, settings=settings, out_json=Path(tmp) / "e.json"
         )

