@@ -621,9 +621,10 @@ import sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from tests.procs import load_script
+from distill import loop
 distill = load_script("train/distill.py")
 step_s, hold_at = float(sys.argv[2]), int(sys.argv[3])
-evaluate = distill.evaluate_checkpoint
+evaluate = loop.evaluate_checkpoint
 
 def held(*args, **kwargs):
     samples_out = Path(args[5])  # output_dir/checkpoints/.tmp-step-N/samples.jsonl
@@ -632,7 +633,7 @@ def held(*args, **kwargs):
         time.sleep(600)
     return evaluate(*args, **kwargs)
 
-distill.evaluate_checkpoint = held
+loop.evaluate_checkpoint = held  # what evaluate_and_save calls
 distill.main(sys.argv[4:], on_step=lambda report: time.sleep(step_s))
 """
 
