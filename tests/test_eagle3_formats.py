@@ -297,7 +297,7 @@ def test_distill_continues_training_a_head_others_trained(assets, tmp_path, fmt)
         if name in start.state_dict():
             torch.testing.assert_close(start.state_dict()[name], value, msg=name)
     best = json.loads((out / "best" / "config.json").read_text())
-    assert best["draftsmith"] == {"draft_kind": "eagle3"} and "midlayer" not in json.dumps(best)
+    assert best["draftsmith"]["draft_kind"] == "eagle3" and "midlayer" not in json.dumps(best)
     verifier = best["speculators_config"]["verifier"]["name_or_path"]
     assert verifier == str(Path(assets["target"]).resolve())
 
