@@ -14,7 +14,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 
-TESTS = '''
+TESTS = """
 import pytest
 
 @pytest.mark.shared
@@ -23,7 +23,7 @@ def test_needs_the_reference_pair():
 
 def test_plain():
     pass
-'''
+"""
 
 
 @pytest.fixture
