@@ -155,7 +155,7 @@ def head_outputs(target, pairs, loss_positions: str, steps: int, shift: int = 0)
     g = torch.Generator().manual_seed(0)
     outputs = [torch.randn(len(pairs), width, len(DRAFT_IDS), generator=g) * 3 for _ in range(steps)]
     for b, k, i, a in head_targets(pairs, loss_positions, steps):
-        if 0 <= a + shift <= len(pairs[b][0]) + len(pairs[b][1]) and a + shift >= 1:
+        if 1 <= a + shift <= len(pairs[b][0]) + len(pairs[b][1]):  # token a + shift, or the one past the end
             outputs[k][b, i] = by_hand(target, pairs, b, a + shift)[DRAFT_IDS]
     return outputs
 
