@@ -194,7 +194,8 @@ HANGING_VLLM = {
     "in generate": (
         "import time\n__version__ = '0+hangs'\n"
         "class SamplingParams:\n    def __init__(self, **kw): pass\n"
-        "class LLM:\n    def __init__(self, **kw): pass\n    def generate(self, *a, **kw): time.sleep(120)\n"
+        "class LLM:\n    def __init__(self, **kw): pass\n    def collective_rpc(self, *a, **kw): return [[]]\n"
+        "    def generate(self, *a, **kw): time.sleep(120)\n"
     ),
 }
 
