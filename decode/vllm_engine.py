@@ -414,7 +414,8 @@ def _serve(args) -> int:
             return 2
     try:
         llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
-                  speculative_config=spec, seed=0, disable_log_stats=False)  # fmt: skip
+                  speculative_config=spec, seed=0, disable_log_stats=False,
+                  worker_extension_cls=WORKER_EXTENSION)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - reported as one line by the parent
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         send({"error": f"vLLM cannot load {args.target!r}" + (f" with draft {args.draft!r}" if args.draft else "")
@@ -425,7 +426,7 @@ def _serve(args) -> int:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    patches = repair_cpu_sampling() if spec is not None and device == "cpu" else []
+    patches = repair_engine_sampling(llm) if spec is not None and device == "cpu" else []
     send({"version": vllm.__version__, "device": device, "torch_threads": torch.get_num_threads(), "patches": patches,
           "draft_sample_method": (spec or {}).get("draft_sample_method", "greedy")})  # fmt: skip
 
@@ -487,6 +488,26 @@ def repair_cpu_sampling() -> list[str]:
         return []
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
     return [EXPAND]
+
+
+WORKER_EXTENSION = "decode.vllm_engine.CpuSamplingRepair"  # LLM(worker_extension_cls=...): see the class
+
+
+class CpuSamplingRepair:
+    """Mixed into vLLM's worker class by ``LLM(..., worker_extension_cls=WORKER_EXTENSION)``, so that
+    :func:`repair_cpu_sampling` runs in the process that samples: the engine core, which vLLM runs in a process of
+    its own unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (a repair in the caller's process would change nothing)."""
+
+    def draftsmith_repair_cpu_sampling(self) -> list[str]:
+        return repair_cpu_sampling()
+
+
+def repair_engine_sampling(llm: Any) -> list[str]:
+    """:func:`repair_cpu_sampling` in every worker of ``llm`` (an ``LLM`` built with
+    ``worker_extension_cls=WORKER_EXTENSION``), in-process or not; the names replaced, as the workers report them
+    ([] = none: the build's own expansion is right)."""
+    replies = llm.collective_rpc("draftsmith_repair_cpu_sampling")
+    return sorted({name for reply in replies for name in reply})
 
 
 def cpu_sampling_note(version: str) -> str:

@@ -18,14 +18,28 @@ DEV_PROMPTS = SHARED / "data" / "stdlib-dev-prompts.jsonl"
 TRAIN_PROMPTS = SHARED / "data" / "stdlib-train-prompts.jsonl"
 
 
+def in_ci() -> bool:
+    """True where the environment says this is a CI run (CI=true, as CI services set it; .ci/run sets it too)."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselect: what is left is what runs
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `shared` skip cleanly where the shared fixtures (reference pair, prompt sets) are absent."""
+    """Tests marked `shared` skip cleanly where the shared fixtures (reference pair, prompt sets) are absent; in
+    CI, where they must be present, selecting such a test without them stops the run instead (a skip there would
+    let CI pass without running what it claims to)."""
     if (PAIR / "target").is_dir() and DEV_PROMPTS.is_file():
         return
+    shared = [item for item in items if "shared" in item.keywords]
+    if shared and in_ci():
+        raise pytest.UsageError(
+            f"CI=true but {SHARED} (reference pair and prompt sets) is missing, so {len(shared)} selected tests "
+            f"marked `shared` would skip (first: {shared[0].nodeid}): put the shared fixtures at {SHARED}, "
+            "or unset CI to let them skip"
+        )
     skip = pytest.mark.skip(reason="../shared (reference pair and prompt sets) not present")
-    for item in items:
-        if "shared" in item.keywords:
-            item.add_marker(skip)
+    for item in shared:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,8 +3,9 @@
 Tokenizers: a byte-level BPE (`bpe_tokenizer`, saved by `make_tokenizer`), a character-level one
 (`char_tokenizer`) and word-level ones (`word_tokenizer`); `swap_ids` gives "the same size but a different
 tokenizer". Models: `tiny_config` (2 layers, 64 dims, 4 heads, of any seed-pair architecture), `tiny_llama`,
-`tiny_pair` (a target and a noisy copy as its draft), and `make_pair` / `save_tiny_pair` / `save_padded_pair`
-(embeddings padded past the tokenizer), which save a pair.
+`tiny_pair` (a target and a noisy copy as its draft), `make_pair` / `save_tiny_pair` / `save_padded_pair`
+(embeddings padded past the tokenizer), which save a pair, and `learnable_pair`, a saved target a draft learns in a
+few dozen steps.
 
 Where tests differ (vocabulary, layers, seed, tied embeddings, special ids, chat template, bos) it is a parameter,
 so each test says what it relies on.
@@ -300,6 +301,35 @@ def make_pair(root: Path, seed: int = 0, vocab_size: int = BPE_VOCAB) -> tuple[P
         model.save_pretrained(path)
         tok.save_pretrained(path)
         paths.append(path)
+    return paths[0], paths[1]
+
+
+def learnable_pair(root: Path, vocab_size: int = BPE_VOCAB) -> tuple[Path, Path]:
+    """Save a target a draft can learn in a few dozen steps, and a fresh random draft, with the BPE tokenizer.
+
+    The target (4 layers, untied) has its embedding scaled 10x, so that its residual stream is mostly the current
+    token, and its output layer 50x, so that it is nearly deterministic: a bigram with a little context, whose
+    continuations a 2-layer draft (or a head) trained on them reproduces, and a draft trained one position off
+    does not. The draft (2 layers) shares nothing with it: its acceptance before training is about 0.
+    """
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    def config(layers: int) -> PretrainedConfig:
+        return tiny_config("llama", vocab_size, layers=layers, num_key_value_heads=4, max_position_embeddings=256)
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config(4)).eval()
+    with torch.no_grad():
+        target.model.embed_tokens.weight.mul_(10.0)
+        target.lm_head.weight.mul_(50.0)
+    draft = LlamaForCausalLM(config(2)).eval()
+    tok = bpe_tokenizer(vocab_size)
+    paths = []
+    for name, model in (("target", target), ("draft", draft)):
+        model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model.save_pretrained(Path(root) / name)
+        tok.save_pretrained(Path(root) / name)
+        paths.append(Path(root) / name)
     return paths[0], paths[1]
 
 
