@@ -368,6 +368,18 @@ def eagle3_worker(shape: str, seq: int, threads: int | None, recompute: bool = F
     return res
 
 
+def run_worker(cmd: list[str], out: Path, timeout_s: float) -> dict:
+    """One measurement in a fresh process (its peak RSS is its own): the JSON it wrote to `out`, or {"error"}."""
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s}s"}
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines() or ["no output"]
+        return {"error": f"exit {proc.returncode}: {lines[-1]}"}
+    return json.loads(out.read_text())
+
+
 def eagle3_table(rows: list[dict]) -> str:
     cuda = any("step_cuda_max_alloc_mb" in r for r in rows)
     head = ["head", "batch", "S", "recompute", "peak RSS MiB", "RSS before the step MiB", "the step's own MiB"]
@@ -415,15 +427,7 @@ def eagle3_main(args) -> int:
                 cmd = [sys.executable, __file__, "--eagle3-worker", shape, str(seq), "--worker-out", str(out)]
                 cmd += (["--threads", str(args.threads)] if args.threads else []) + (["--recompute"] * args.recompute)
                 print(f"[{time.perf_counter() - start:6.1f}s] {shape} S={seq} ...", file=sys.stderr, flush=True)
-                try:
-                    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
-                    if proc.returncode != 0:
-                        lines = proc.stderr.strip().splitlines() or ["no output"]
-                        row["error"] = f"exit {proc.returncode}: {lines[-1]}"
-                    else:
-                        row.update(json.loads(out.read_text()))
-                except subprocess.TimeoutExpired:
-                    row["error"] = f"timed out after {args.timeout}s"
+                row.update(run_worker(cmd, out, args.timeout))
                 rows.append(row)
     total = time.perf_counter() - start
     print(eagle3_table(rows))
@@ -553,15 +557,7 @@ def main() -> int:
                 cmd += ["--steps", str(args.steps)] + (["--threads", str(args.threads)] if args.threads else [])
                 print(f"[{time.perf_counter() - start:6.1f}s] {name} {dtype} ...", file=sys.stderr, flush=True)
                 t0 = time.perf_counter()
-                try:
-                    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
-                    if proc.returncode != 0:
-                        lines = proc.stderr.strip().splitlines() or ["no output"]
-                        row["error"] = f"exit {proc.returncode}: {lines[-1]}"
-                    else:
-                        row.update(json.loads(out.read_text()))
-                except subprocess.TimeoutExpired:
-                    row["error"] = f"timed out after {args.timeout}s"
+                row.update(run_worker(cmd, out, args.timeout))
                 row["wall_s"] = time.perf_counter() - t0
                 rows.append(row)
 
