@@ -16,6 +16,7 @@ unroll builds no [S, S] attention scores and forward KL keeps only the head's lo
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Sequence
@@ -214,19 +215,45 @@ def step_log_probs(
     return student_log_probs(student, log_pt[:, -1:], temperature), log_pt
 
 
+@functools.cache
+def keeps_selected_hidden_states() -> bool:
+    """Whether the installed transformers reads a list given as ``output_hidden_states`` as the indices, among the
+    L + 1 hidden states, to keep (5.25 does). Releases that read it otherwise (5.19 gives L entries, shifted by
+    one) get ``True`` instead: all of them, the same numbers with more memory. Probed once on a 2-layer model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+                         num_attention_heads=1, num_key_value_heads=1)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    with torch.no_grad():
+        every = model(input_ids=ids, output_hidden_states=True).hidden_states
+        some = model(input_ids=ids, output_hidden_states=[1, -1]).hidden_states
+    return (
+        isinstance(some, tuple | list)
+        and len(some) == len(every)
+        and some[1] is not None
+        and some[-1] is not None
+        and torch.equal(some[1], every[1])
+        and torch.equal(some[-1], every[-1])
+    )
+
+
 def target_forward(
     target: nn.Module, batch: dict[str, torch.Tensor], aux_layers: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The frozen target on the batch, one forward: (features [B, S, 3 * H_target], logits [B, S, V], last hidden
     state [B, S, H_target], the input of its output layer).
 
-    The forward keeps only those four of its L + 1 hidden states (transformers' ``output_hidden_states`` takes the
-    indices to keep; the others come back None and are freed as the forward goes on)."""
+    The forward keeps only those four of its L + 1 hidden states where transformers' ``output_hidden_states``
+    takes the indices to keep (the others come back None and are freed as the forward goes on); elsewhere it keeps
+    them all (:func:`keeps_selected_hidden_states`)."""
+    wanted: bool | list[int] = [*aux_layers, -1] if keeps_selected_hidden_states() else True
     with torch.no_grad():
         out = target(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
-            output_hidden_states=[*aux_layers, -1],
+            output_hidden_states=wanted,
         )
     if out.hidden_states is None:
         raise ValueError(
