@@ -134,7 +134,7 @@ class HFAssistant:
     runs. A target whose embedding is padded past its tokenizer (Qwen2.5-7B: 152064 rows, its 0.5B sibling
     151936) differs from its draft only in padding, so the HF methods run the draft with its embedding and output
     layer swapped for copies of the target's width, padded as publishing pads them (``with_rows``, as
-    ``distill.draft_folder.match_vocab``): HF times the draft as published. Only those two layers are copied, and
+    ``decode.compat.match_vocab``): HF times the draft as published. Only those two layers are copied, and
     they are swapped back after every call: draftsmith's loop and everything else see the draft as it is.
 
         assistant = HFAssistant(target, draft)

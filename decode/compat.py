@@ -119,3 +119,27 @@ def check_context(models: dict[str, nn.Module], prompt_len: int, max_new_tokens:
 def sliding_window(model: nn.Module) -> int | None:
     window = getattr(text_config(model), "sliding_window", None)
     return window if isinstance(window, int) and window > 0 else None
+
+
+def match_vocab(model, target_vocab: int) -> tuple[int, int]:
+    """Resize the draft's embeddings (and untied lm_head) to the target's vocabulary size.
+
+    Padded rows are the mean of the existing rows, as :func:`with_rows` pads them (the padded ids
+    never come out of the tokenizer, and the mean row's logit is never the draft's greedy choice). Rows beyond
+    the target's vocabulary are dropped (the target's tokenizer never produces them).
+    Returns (old, new) vocab sizes.
+    """
+    old = model.get_input_embeddings().weight.shape[0]
+    if old != target_vocab:
+        model.resize_token_embeddings(target_vocab, mean_resizing=False)
+        if target_vocab > old:
+            with torch.no_grad():
+                emb = model.get_input_embeddings().weight
+                emb.copy_(with_rows(emb[:old], target_vocab))
+                head = model.get_output_embeddings()
+                if head is not None and head.weight.data_ptr() != emb.data_ptr():
+                    head.weight.copy_(with_rows(head.weight[:old], target_vocab))
+                if head is not None and getattr(head, "bias", None) is not None:
+                    head.bias.copy_(with_rows(head.bias[:old], target_vocab))
+    model.config.get_text_config().vocab_size = target_vocab
+    return old, target_vocab

@@ -222,3 +222,11 @@ def _bootstrap_ci95(
     lo = estimates[int(0.025 * (len(estimates) - 1))]
     hi = estimates[math.ceil(0.975 * (len(estimates) - 1))]
     return [lo, hi]
+
+
+def best_gamma(ev: dict) -> int:
+    """The gamma a bench JSON (an eval.json) measured: num_draft_tokens, or the mean gamma used when it was 'auto'."""
+    g = ev.get("num_draft_tokens")
+    if isinstance(g, int) and not isinstance(g, bool) and g > 0:
+        return g
+    return max(1, round(float(ev.get("mean_num_draft_tokens") or 1)))

@@ -250,7 +250,7 @@ def save_draft_for_vllm(draft, tokenizer, target_config, out_dir: str | Path, dt
     rejects a draft whose vocab_size differs). The draft itself is untouched."""
     import copy
 
-    from distill.draft_folder import match_vocab
+    from decode.compat import match_vocab
 
     out_dir = Path(out_dir)
     model = copy.deepcopy(draft)
@@ -272,7 +272,7 @@ def _config_vocab(path: str) -> int:
 
 def draft_dir_for_vllm(target: str, draft: str, dtype: str, scratch: Path) -> str:
     """``draft`` itself when vLLM accepts it next to ``target``, else a copy under ``scratch`` with the target's
-    vocab_size (the padded rows never win an argmax: see ``distill.draft_folder.match_vocab``)."""
+    vocab_size (the padded rows never win an argmax: see ``decode.compat.match_vocab``)."""
     if speculative_method(draft) == "eagle3":
         check_eagle3_fits(target, draft)
         return draft  # the served format as it is: vLLM shares the target's embedding and tokenizer

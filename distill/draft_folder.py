@@ -84,34 +84,6 @@ def declared_dtype(model_id: str | None, trust_remote_code: bool = False) -> str
     return str(dtype).removeprefix("torch.") if dtype is not None else None
 
 
-def match_vocab(model, target_vocab: int) -> tuple[int, int]:
-    """Resize the draft's embeddings (and untied lm_head) to the target's vocabulary size.
-
-    Padded rows are the mean of the existing rows, as :func:`decode.compat.with_rows` pads them (the padded ids
-    never come out of the tokenizer, and the mean row's logit is never the draft's greedy choice). Rows beyond
-    the target's vocabulary are dropped (the target's tokenizer never produces them).
-    Returns (old, new) vocab sizes.
-    """
-    import torch
-
-    from decode.compat import with_rows
-
-    old = model.get_input_embeddings().weight.shape[0]
-    if old != target_vocab:
-        model.resize_token_embeddings(target_vocab, mean_resizing=False)
-        if target_vocab > old:
-            with torch.no_grad():
-                emb = model.get_input_embeddings().weight
-                emb.copy_(with_rows(emb[:old], target_vocab))
-                head = model.get_output_embeddings()
-                if head is not None and head.weight.data_ptr() != emb.data_ptr():
-                    head.weight.copy_(with_rows(head.weight[:old], target_vocab))
-                if head is not None and getattr(head, "bias", None) is not None:
-                    head.bias.copy_(with_rows(head.bias[:old], target_vocab))
-    model.config.get_text_config().vocab_size = target_vocab
-    return old, target_vocab
-
-
 def generation_config_for(model, target_gen, assistant: dict):
     """The draft's generation config with the target's special tokens and the HF assisted generation settings
     `assistant` (from :func:`assistant_settings`)."""
@@ -167,14 +139,6 @@ def assistant_settings(ev: dict, gamma: int) -> tuple[dict, str]:
         f"the measured γ ({measured['num_assistant_tokens']}), constant, no early stop, the faster HF setting in the "
         f"eval: {fixed} against {default}"
     )
-
-
-def best_gamma(ev: dict) -> int:
-    """The gamma measured in the eval: num_draft_tokens, or the mean gamma used when it was 'auto'."""
-    g = ev.get("num_draft_tokens")
-    if isinstance(g, int) and not isinstance(g, bool) and g > 0:
-        return g
-    return max(1, round(float(ev.get("mean_num_draft_tokens") or 1)))
 
 
 def copy_tokenizer(target: str, src: PublishSource, dest: Path, trust: bool, notes: list[str]) -> str:

@@ -32,18 +32,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from decode.compat import match_vocab
 from decode.draft_vocab import FILE as DRAFT_VOCAB
 from decode.draft_vocab import load_saved_head
 from decode.kinds.eagle3 import is_eagle3
+from decode.metrics import best_gamma
 from distill.card import engine_of, render_model_card, slower_than_target
 from distill.draft_folder import (
     assistant_settings,
-    best_gamma,
     copy_tokenizer,
     declared_dtype,
     generation_config_for,
     load_merged_draft,
-    match_vocab,
     recipe_get,
 )
 from distill.hub import (

@@ -37,6 +37,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from decode.compat import model_name, text_config
 from decode.kinds import eagle3_formats
+from decode.kinds.eagle3_formats import default_aux_layers
 from decode.kinds.standalone import Verified, all_real, draft_tokens, stack
 
 NAME = "eagle3"
@@ -44,13 +45,6 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
 TTT_STEPS = 3  # unrolled steps in training (EAGLE-3 trains 7 on GPUs; 3 reach most of the gain, see docs/eagle3.md)
 STEP_WEIGHT = 0.8  # weight of unrolled step k is STEP_WEIGHT ** k, as in EAGLE-3
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """Low, middle and high layers as vLLM and SGLang pick them when a checkpoint names none: (2, L//2, L-3); on a
-    target too shallow for three distinct ids there, the inputs of its last three layers."""
-    ids = [2, num_layers // 2, num_layers - 3]
-    return ids if ids[0] < ids[1] < ids[2] else [num_layers - 3, num_layers - 2, num_layers - 1]
 
 
 def check_aux_layers(aux: Sequence[int], num_layers: int) -> list[int]:

@@ -146,6 +146,13 @@ def detect(config: dict, tensors: dict) -> str:
     )
 
 
+def default_aux_layers(num_layers: int) -> list[int]:
+    """Low, middle and high layers as vLLM and SGLang pick them when a checkpoint names none: (2, L//2, L-3); on a
+    target too shallow for three distinct ids there, the inputs of its last three layers."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    return ids if ids[0] < ids[1] < ids[2] else [num_layers - 3, num_layers - 2, num_layers - 1]
+
+
 def read(directory: str | Path, num_target_layers: int) -> tuple[dict, dict[str, torch.Tensor], str]:
     """(config dict for ``LlamaConfig``, state dict in the native layout, format name) of the head in
     ``directory``; the config carries ``draft_vocab_size``, ``target_hidden_size`` and vLLM's aux layer ids."""
@@ -158,8 +165,6 @@ def read(directory: str | Path, num_target_layers: int) -> tuple[dict, dict[str,
     else:
         config = _from_flat(config, fmt)
     if fmt != "native":  # no ids: the layers vLLM, speculators and SafeAILab's code read by default
-        from decode.kinds.eagle3 import default_aux_layers
-
         config.setdefault("eagle_aux_hidden_state_layer_ids", default_aux_layers(num_target_layers))
     unused = NOT_HEAD if config.get("norm_before_fc") else (*NOT_HEAD, "input_norm.")  # vLLM skips it likewise
     tensors = {k: v for k, v in tensors.items() if not k.startswith(unused)}

@@ -162,7 +162,7 @@ def save_checkpoint(
     model card read; the speculators keys name the recipe's target and the gamma `result` (the checkpoint's
     evaluation) measured, so that `vllm serve best/` runs them with no flags."""
     from decode.kinds.eagle3_formats import verifier_name
-    from distill.draft_folder import best_gamma
+    from decode.metrics import best_gamma
 
     verifier = verifier_name(recipe.target.model)
     decoding.save(
