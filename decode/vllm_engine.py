@@ -405,8 +405,10 @@ def _serve(args) -> int:
             send({"error": problem, "unavailable": True})
             return 2
         try:
-            import vllm.config as vllm_config
-
+            try:
+                import vllm.config as vllm_config
+            except ImportError:  # a build without the module has no draft_sample_method either
+                vllm_config = None
             spec = speculative_config(method, args.draft, args.num_draft_tokens, args.draft_sample_method,
                                       has_draft_sample_method(vllm_config))  # fmt: skip
         except ValueError as e:
