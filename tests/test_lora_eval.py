@@ -109,6 +109,9 @@ def test_a_mixed_precision_draft_is_measured_without_its_training_autocast(pair)
     target = load_target(ModelConfig(model=str(pair["target"]), dtype="bfloat16"), device="cpu")
     tokenizer = load_tokenizer(str(pair["target"]))
     draft = load_draft(ModelConfig(model=str(pair["draft"]), dtype="float32"), device="cpu")
+    # a run earlier in this process (train/distill.py's main, called in-process) leaves its accelerate state
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     try:
         accelerator = Accelerator(cpu=True, mixed_precision="bf16")
         inner = accelerator.unwrap_model(accelerator.prepare(draft))
