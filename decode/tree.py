@@ -152,7 +152,10 @@ def accepted_path(tree: DraftTree, greedy_tokens: list[int]) -> tuple[list[int],
 def check_tree(draft: nn.Module | str, batch: int, temperature: float) -> None:
     """One ValueError for anything a draft tree cannot decode (``draft``: the draft, or its kind's name)."""
     if (draft if isinstance(draft, str) else kind_of(draft)) != eagle3.NAME:
-        raise ValueError("a draft tree needs an EAGLE-3 head: a standalone draft drafts a chain (an integer gamma)")
+        kind = draft if isinstance(draft, str) else kind_of(draft)
+        raise ValueError(
+            f"a draft tree needs an EAGLE-3 head: a {kind} draft drafts a chain or a block (an integer gamma)"
+        )
     if temperature != 0:
         raise ValueError("a draft tree decodes greedily: use temperature 0, or a chain (an integer gamma) to sample")
     if batch != 1:

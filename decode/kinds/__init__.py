@@ -14,6 +14,7 @@ The accept/reject rule, the bench and best/ selection stay the same for every ki
 
     standalone   a small causal LM with the target's tokenizer (decode.kinds.standalone)
     eagle3       a one-layer head over three of the target's hidden layers (decode.kinds.eagle3)
+    peagle       an EAGLE-3 head that drafts a whole block in one forward (decode.kinds.peagle)
 """
 
 from __future__ import annotations
@@ -22,29 +23,33 @@ import torch
 from torch import nn
 
 from decode.compat import logits_width
-from decode.kinds import eagle3, standalone
+from decode.kinds import eagle3, peagle, standalone
 from decode.kinds.standalone import Verified
 from decode.kv_stream import KVStream
 
-KINDS = (standalone.NAME, eagle3.NAME)
+KINDS = (standalone.NAME, eagle3.NAME, peagle.NAME)
 
 __all__ = ["KINDS", "Verified", "cost_stream", "drafter_for", "kind_of"]
 
 
 def kind_of(draft: nn.Module) -> str:
-    """The kind of a loaded draft: ``eagle3`` for an EAGLE-3 head, else ``standalone``."""
+    """The kind of a loaded draft: ``eagle3`` for an EAGLE-3 head, ``peagle`` for a P-EAGLE one, else
+    ``standalone``."""
     return getattr(draft, "kind", standalone.NAME)
 
 
 def drafter_for(draft: nn.Module, batch: int, vocab: int, input_ids: torch.Tensor, prompt_mask: torch.Tensor):
     """The drafter of ``draft``'s kind for one decoding call over ``input_ids`` [B, P] (``prompt_mask`` [B, P])."""
-    if kind_of(draft) == eagle3.NAME:
+    kind = kind_of(draft)
+    if kind == peagle.NAME:
+        return peagle.Drafter(draft, batch, vocab)
+    if kind == eagle3.NAME:
         return eagle3.Drafter(draft, batch, vocab)
     return standalone.Drafter(draft, batch, vocab, input_ids, prompt_mask)
 
 
 def cost_stream(model: nn.Module, batch: int):
     """What ``decode.metrics.ForwardCostMeter`` times a model's KV-cached forwards through, by kind."""
-    if kind_of(model) == eagle3.NAME:
+    if kind_of(model) in (eagle3.NAME, peagle.NAME):
         return eagle3.CostStream(model, batch)
     return KVStream(model, batch, logits_width(model))

@@ -121,8 +121,6 @@ class Eagle3Head(nn.Module):
     Buffers: ``draft_ids`` [Vd] target id of each draft id; ``d2t`` = draft_ids - arange (the served offsets).
     """
 
-    kind = NAME
-
     def __init__(self, config: LlamaConfig, embed_tokens: nn.Embedding, draft_ids: Sequence[int]):
         super().__init__()
         self.config = config
@@ -140,8 +138,34 @@ class Eagle3Head(nn.Module):
         if len(set(ids.tolist())) != len(ids) or bool((ids[1:] <= ids[:-1]).any()):
             raise ValueError("draft vocabulary ids must be distinct and sorted")
         self.register_buffer("draft_ids", ids, persistent=False)
+        if getattr(config, "mask_token_id", None) is not None:
+            # P-EAGLE (decode.kinds.peagle): the learned feature its drafted positions after the first read, in the
+            # fused 3 * H_target space (vLLM's `mask_hidden`, put through fc as a target feature would be)
+            self.mask_hidden = nn.Parameter(torch.zeros(1, 3 * config.target_hidden_size))
 
     # ---- shapes and maps
+    @property
+    def kind(self) -> str:
+        """``peagle`` for a head that drafts its whole block in one forward (it has a mask feature), else
+        ``eagle3``."""
+        return "peagle" if self.parallel else NAME
+
+    @property
+    def parallel(self) -> bool:
+        """True for a P-EAGLE head: positions 2..K of a block read the mask token and ``mask_hidden``."""
+        return hasattr(self, "mask_hidden")
+
+    @property
+    def block_size(self) -> int | None:
+        """A P-EAGLE head's trained block (tokens per draft forward); None for a chain head."""
+        return int(self.config.block_size) if self.parallel else None
+
+    def mask_inputs(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [B, width] all the mask token, features [B, width, 3 * H_target] all ``mask_hidden``)."""
+        device = self.fc.weight.device
+        ids = torch.full((batch, width), int(self.config.mask_token_id), dtype=torch.long, device=device)
+        return ids, self.mask_hidden.expand(batch, width, -1)
+
     @property
     def aux_layers(self) -> list[int]:
         return list(self.config.eagle_aux_hidden_state_layer_ids)
@@ -249,9 +273,10 @@ class Eagle3Head(nn.Module):
         """Training-time test: the head's draft logits at every position for ``steps`` chained steps.
 
         Step k at position i reads token x_{i+k+1} and (k = 0) the target's features at i, or (k > 0) its own
-        step k-1 output at i; it attends to step 0's keys at positions <= i and its own keys of steps 1..k at
-        i — exactly what the k-th drafted token attends to in decoding. It predicts x_{i+k+2}, i.e. it is
-        compared with the target's distribution at position i + k + 1.
+        step k-1 output at i (a P-EAGLE head: the mask token and ``mask_hidden`` instead, so that the k-th token
+        of a block does not depend on the ones drafted before it); it attends to step 0's keys at positions <= i
+        and its own keys of steps 1..k at i — exactly what the k-th drafted token attends to in decoding. It
+        predicts x_{i+k+2}, i.e. it is compared with the target's distribution at position i + k + 1.
 
         Args:
             ids: [B, S] the training sequence; features: [B, S, 3 * H_target] the target's aux hidden states.
@@ -275,8 +300,12 @@ class Eagle3Head(nn.Module):
         diag_k: list[torch.Tensor] = []
         diag_v: list[torch.Tensor] = []
         out = []
+        mask_ids, mask_features = self.mask_inputs(*ids.shape) if self.parallel else (None, None)
         for k in range(steps):
-            args = (shift_left(ids, k + 1), hidden, position_ids + k, fused, keys0, values0)
+            step_ids = shift_left(ids, k + 1)
+            if k > 0 and self.parallel:  # P-EAGLE: the mask token and feature, not the chain's own output
+                step_ids, hidden, fused = mask_ids, mask_features, True
+            args = (step_ids, hidden, position_ids + k, fused, keys0, values0)
             hidden, key, value = layer(*args, tuple(diag_k), tuple(diag_v))
             if k == 0 and steps > 1:
                 keys0, values0 = with_null_key(key, value)
@@ -533,6 +562,13 @@ ABOUT = (
     "method eagle3) and SGLang (--speculative-algorithm EAGLE3) serve it next to its target, and draftsmith loads it "
     "with decode.kinds.eagle3.load(folder, target)."
 )  # config.json's draftsmith.about, and the start of the folder's README.md
+ABOUT_PEAGLE = (
+    "A P-EAGLE (parallel EAGLE) draft head for speculative decoding: an EAGLE-3 head that drafts a block of "
+    "tokens in one forward, its positions after the first reading a mask token and a learned mask feature "
+    "(mask_hidden). transformers' AutoModelForCausalLM cannot load it and HF assisted generation cannot run it; "
+    "vLLM serves it (speculative method eagle3 with parallel_drafting), and draftsmith loads it with "
+    "decode.kinds.eagle3.load(folder, target)."
+)
 WHAT_IT_IS = (
     "An EAGLE-3 head reads the target's own hidden states, so it runs inside an engine that serves it next to the "
     "target. HF assisted generation (`generate(assistant_model=...)`) cannot run this kind: it needs a standalone "
@@ -644,11 +680,12 @@ def served_config(head: Eagle3Head, verifier: str | None = None, speculative_tok
     config["eagle_aux_hidden_state_layer_ids"] = aux  # vLLM: the input of layer j
     config["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [a - 1 for a in aux]}
     config["rope_theta"] = float(head.config.rope_parameters.get("rope_theta", 10000.0))
-    config["draftsmith"] = {"draft_kind": NAME, "about": ABOUT}
+    config["draftsmith"] = {"draft_kind": head.kind, "about": ABOUT_PEAGLE if head.parallel else ABOUT}
     config["torch_dtype"] = str(head.fc.weight.dtype).replace("torch.", "")
     if verifier:
         archs = eagle3_formats.verifier_architectures(verifier)
-        config.update(eagle3_formats.speculators_fields(config, verifier, speculative_tokens, archs))
+        kind = "peagle" if head.parallel else NAME
+        config.update(eagle3_formats.speculators_fields(config, verifier, speculative_tokens, archs, kind=kind))
     return config
 
 

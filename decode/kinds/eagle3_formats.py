@@ -51,21 +51,23 @@ NOT_HEAD = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")
 
 
 def speculators_fields(
-    config: dict, verifier: str, speculative_tokens: int, verifier_architectures: list[str]
+    config: dict, verifier: str, speculative_tokens: int, verifier_architectures: list[str], kind: str = "eagle3"
 ) -> dict:
     """The speculators keys of a native head's config.json (``config``, whose Llama keys are repeated as the
     ``transformer_layer_config`` vLLM requires): vLLM's ``LLM(model=HEAD)`` then loads ``verifier`` as the target
-    and drafts ``speculative_tokens`` per step (greedy proposals: the only kind speculators names)."""
+    and drafts ``speculative_tokens`` per step (greedy proposals: the only kind speculators names). ``kind``:
+    ``eagle3``, or ``peagle`` for a P-EAGLE head (vLLM reads it as eagle3 with parallel drafting and takes the
+    ``mask_token_id`` at the top level of ``config``)."""
     from transformers import LlamaConfig
 
     llama = set(LlamaConfig().to_dict()) - {"architectures", "transformers_version", "torch_dtype", "dtype"}
     layer = {k: v for k, v in config.items() if k in llama}
     greedy = {"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens), "verifier_accept_k": 1}
     return {
-        "speculators_model_type": "eagle3",
+        "speculators_model_type": kind,
         "transformer_layer_config": {**layer, "model_type": "llama", "architectures": ["LlamaForCausalLM"]},
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": kind,
             "proposal_methods": [{**greedy, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": str(verifier), "architectures": list(verifier_architectures)},
@@ -191,8 +193,10 @@ def _from_flat(config: dict, fmt: str) -> dict:
 def _from_speculators(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
     """The native config and tensors of a speculators-format head (``layers.0.*`` -> ``midlayer.*``)."""
     kind = config.get("speculators_model_type")
-    if kind != "eagle3":
-        raise ValueError(f"speculators_model_type {kind!r}: draftsmith reads speculators heads of type 'eagle3' only")
+    if kind not in ("eagle3", "peagle"):
+        raise ValueError(
+            f"speculators_model_type {kind!r}: draftsmith reads speculators heads of type 'eagle3' and 'peagle' only"
+        )
     layer = dict(config["transformer_layer_config"])
     if layer.get("model_type", "llama") != "llama":
         raise ValueError(
@@ -207,6 +211,11 @@ def _from_speculators(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[d
     out["norm_before_residual"] = bool(config.get("norm_before_residual", True))
     for key in ("norm_before_fc", *REFUSED):
         out[key] = bool(config.get(key, False))
+    if kind == "peagle":  # vLLM's reader defaults norm_before_residual to False for this type
+        out["norm_before_residual"] = bool(config.get("norm_before_residual", False))
+        out["mask_token_id"] = int(config["mask_token_id"])
+        block = config.get("block_size") or config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        out["block_size"] = int(block)
     if out["eagle_aux_hidden_state_layer_ids"] is None:
         out.pop("eagle_aux_hidden_state_layer_ids")
     prefix = "layers.0."

@@ -1,0 +1,97 @@
+"""Training a P-EAGLE head (`draft.kind: peagle`): an EAGLE-3 head that drafts draft.block_size tokens in one forward.
+
+Everything but the head's block is the EAGLE-3 kind's (distill.kinds.eagle3): the head is built from the target
+once the target's continuations are generated (or started from an EAGLE-3 or P-EAGLE head folder in draft.model,
+or from the newest checkpoint on --resume), each step feeds it the target's hidden states, and it is saved in the
+layout vLLM loads. Its head carries a mask token and a learned mask feature (decode.kinds.peagle), and a step
+trains all draft.block_size positions of every sequence in one pass: position k of the block reads the mask
+inputs, as in decoding, and is compared with the target's distribution k + 1 tokens on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from decode.kinds import peagle as decoding
+from distill import eagle3_train, models
+from distill.config import Recipe
+from distill.kinds.eagle3 import build_draft as build_chain_draft
+from distill.kinds.eagle3 import (  # the same as an EAGLE-3 head's
+    cache_teacher,
+    check_inputs,
+    decoding_vocab,
+    generation_recorder,
+    load_draft,
+    loss_step,
+    save_checkpoint,
+    served,
+)
+
+NAME = decoding.NAME
+DESCRIPTION = "a P-EAGLE head"
+LOADS_DRAFT_MODEL = False
+HF_ASSISTED = False
+GENERATES_ROLLOUTS = False
+
+__all__ = [
+    "build_draft",
+    "cache_teacher",
+    "check_inputs",
+    "decoding_vocab",
+    "generation_recorder",
+    "load_draft",
+    "loss_step",
+    "mask_token_id",
+    "save_checkpoint",
+    "served",
+]
+
+
+def mask_token_id(recipe: Recipe, vocab_size: int) -> int:
+    """draft.mask_token_id, or the target tokenizer's mask, pad or unk token, or the vocabulary's last id.
+
+    The token only marks the drafted positions (its embedding is the target's, frozen); the head learns what to
+    read there in its mask feature, so any id in the vocabulary works.
+
+    Raises:
+        ValueError: draft.mask_token_id outside the target's vocabulary.
+    """
+    chosen = recipe.draft.mask_token_id
+    if chosen is None:
+        tokenizer = models.load_tokenizer(recipe.target.model, recipe.target, key="target.model")
+        found = (tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
+        chosen = next((int(i) for i in found if i is not None and 0 <= int(i) < vocab_size), vocab_size - 1)
+    if not 0 <= chosen < vocab_size:
+        raise ValueError(
+            f"draft.mask_token_id={chosen} is outside the target's vocabulary of {vocab_size} tokens: set an id in "
+            f"0..{vocab_size - 1} (or null to pick one)"
+        )
+    return int(chosen)
+
+
+def build_draft(
+    recipe: Recipe,
+    target: nn.Module,
+    source: Any,
+    train_prompts: Sequence,
+    vocab_size: int,
+    teachers: eagle3_train.TargetCache | None,
+    resume_from: Path | None,
+    is_main: bool,
+) -> eagle3_train.Unrolled:
+    """The EAGLE-3 kind's head (its vocabulary, draft.model or checkpoint) made a P-EAGLE head of
+    draft.block_size: an EAGLE-3 head gains a fresh mask feature, a P-EAGLE head keeps its own."""
+    head = eagle3_train.head_of(
+        build_chain_draft(recipe, target, source, train_prompts, vocab_size, teachers, resume_from, is_main)
+    )
+    mask = head.config.mask_token_id if head.parallel and recipe.draft.mask_token_id is None else None
+    mask = mask_token_id(recipe, vocab_size) if mask is None else int(mask)
+    started = "its own mask feature" if head.parallel else "a fresh mask feature"
+    head = decoding.with_mask(head, block_size=recipe.draft.block_size, mask_token_id=mask)
+    if is_main:
+        print(f"peagle head: block of {recipe.draft.block_size} tokens per forward, mask token {mask} ({started})")
+    return eagle3_train.Unrolled(head)
