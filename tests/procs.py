@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -89,17 +90,39 @@ def running(pid: int) -> bool:
         return False
 
 
+def run_captured(cmd: list[str], *, env: dict, cwd: Path | str, timeout: float) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` for a run that may start processes of its own
+    (accelerate launch, its workers): past `timeout` every process of the group gets SIGABRT first, so that
+    Python's faulthandler writes each one's stacks to the captured stderr, and the test fails with them (where a
+    run hung) instead of a bare TimeoutExpired."""
+    env = dict(env, PYTHONFAULTHANDLER="1")
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            stdout, stderr = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # a worker the launcher left behind
+        except ProcessLookupError:
+            pass
+        import pytest
+
+        pytest.fail(f"{' '.join(map(str, cmd[:6]))}... ran past {timeout:.0f} s; its stacks:\n{stderr[-12000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def run_distill(recipe: dict, tmp_path: Path, **env_extra: str) -> subprocess.CompletedProcess:
     """train/distill.py on `recipe` (written to tmp_path/recipe.yaml) in a fresh process, offline, output captured."""
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env_extra)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run(
-        [sys.executable, str(REPO / "train" / "distill.py"), "--recipe", str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=REPO,
-    )
+    return run_captured([sys.executable, str(REPO / "train" / "distill.py"), "--recipe", str(path)],
+                        env=env, timeout=600, cwd=REPO)  # fmt: skip

@@ -20,7 +20,7 @@ import yaml
 from distill.checkpoints import CheckpointInfo, select_best
 from distill.config import TrainConfig
 from distill.schedule import lr_multiplier
-from tests.procs import HAS_PROC, running, wait_for_child
+from tests.procs import HAS_PROC, run_captured, running, wait_for_child
 from tests.tiny import make_pair, make_prompts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,7 +67,8 @@ def launch(recipe: Path, *extra: str, processes: int = 1, timeout: int = 600) ->
     e = env()
     if processes > 1:
         e["ACCELERATE_USE_CPU"] = "1"
-    return subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=timeout, cwd=REPO)
+    # a 2-process run that hangs fails in minutes, with every process's stacks (tests/procs.py)
+    return run_captured(cmd, env=e, timeout=timeout if processes == 1 else min(timeout, 360), cwd=REPO)
 
 
 def run_script(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:

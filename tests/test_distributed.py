@@ -29,6 +29,7 @@ from distill.distributed import (
     requested_engine,
     rollout_draft,
 )
+from tests.procs import run_captured
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -92,7 +93,7 @@ def test_fsdp2_gathered_copy_equals_sharded_model_and_saves(tmp_path):
     _, draft = make_pair(tmp_path / "pair")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += [__file__, "fsdp-worker", str(draft), str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300, cwd=REPO)
+    proc = run_captured(cmd, env=env(), timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "rank0.done").is_file() and (tmp_path / "rank1.done").is_file()
     assert (tmp_path / "saved" / "config.json").is_file()
@@ -152,9 +153,7 @@ def test_fsdp_config_on_cpu_runs_data_parallel_and_says_so(tmp_path):
     )
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/fsdp.yaml"]
     cmd += ["--num_processes", "2", "--mixed_precision", "no", "train/distill.py", "--recipe", str(recipe)]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, env=dict(env(), ACCELERATE_USE_CPU="1"), timeout=400, cwd=REPO
-    )
+    proc = run_captured(cmd, env=dict(env(), ACCELERATE_USE_CPU="1"), timeout=400, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "distributed: MULTI_CPU, 2 processes, every process holds the whole draft" in proc.stdout
     assert "warning: the launch config asks for FSDP but accelerate runs MULTI_CPU" in proc.stderr

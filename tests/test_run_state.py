@@ -647,6 +647,7 @@ def start_slowed(tmp_path: Path, name: str, recipe: dict, *args: str, step_s: fl
     script.write_text(SLOWED)
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONFAULTHANDLER"] = "1"  # a run that hangs is stopped with SIGABRT by finish(): its stacks in the log
     env.pop("WANDB_DIR", None)
     cmd = [sys.executable, str(script)]
     if processes > 1:
@@ -655,11 +656,22 @@ def start_slowed(tmp_path: Path, name: str, recipe: dict, *args: str, step_s: fl
         env["ACCELERATE_USE_CPU"] = "1"
     cmd += [str(REPO), str(step_s), str(hold_at), "--recipe", str(recipe_path), *args]
     with log.open("w") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO), log
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO, start_new_session=True
+        )
+        return proc, log
 
 
 def finish(proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> tuple[int, str]:
-    proc.wait(timeout=timeout_s)
+    """Wait for `proc`; past `timeout_s` its process group is stopped with SIGABRT (each process writes its stacks
+    to the log) and the test fails with them."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        time.sleep(10)
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the run ran past {timeout_s:.0f} s; its stacks:\n{log.read_text()[-12000:]}")
     return proc.returncode, log.read_text()
 
 
