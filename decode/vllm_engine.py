@@ -177,13 +177,13 @@ def speculative_method(draft: str | Path) -> str:
 
 def draft_block(draft: str | Path) -> int | None:
     """The block of a folder whose draft proposes it in one forward (a P-EAGLE head's ``block_size``), else None."""
+    from decode.kinds.eagle3_formats import block_of
+
     try:
         raw = json.loads((Path(draft) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if raw.get("mask_token_id") is None or not raw.get("parallel_drafting", raw.get("block_size")):
-        return None
-    return int(raw.get("block_size") or 0) or None
+    return block_of(raw) if isinstance(raw, dict) else None
 
 
 def has_parallel_drafting(vllm_config_module) -> bool:

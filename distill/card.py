@@ -231,9 +231,17 @@ def _figures(info: dict) -> list[str]:
     return lines
 
 
+HEAD_KINDS = ("eagle3", "peagle")  # drafts on the target's hidden states: served by engines, not HF assisted
+
+
+def is_head_card(info: dict) -> bool:
+    """The card is of a head that reads the target's hidden states (EAGLE-3, P-EAGLE)."""
+    return info.get("draft_kind") in HEAD_KINDS
+
+
 def _draft_vocab_line(info: dict, size: int) -> str:
     """What the figures drafted from, for the kind and the files uploaded."""
-    if info.get("draft_kind") == "eagle3":
+    if is_head_card(info):
         return (
             f"- the head drafts from its own draft vocabulary: {size} of the target's tokens (the most frequent in "
             "its training continuations), the rows of its output layer `lm_head`; `d2t` and `t2d` in "
@@ -289,15 +297,23 @@ def eagle3_usage(
     tree: str | None = None,
     sample_method: str | None = None,
     verifier: str | None = None,
+    block: int | None = None,
 ) -> list[str]:
     """The card's usage section for an EAGLE-3 head: what it is, then :func:`decode.kinds.eagle3.usage` (vLLM's
     ``method: eagle3`` with the recipe's draft_sample_method, SGLang's EAGLE3, draftsmith; no HF assisted
     generation). ``verifier``: the target the head's config.json names (speculators_config), which lets
-    ``vllm serve REPO`` run with no speculative flags."""
+    ``vllm serve REPO`` run with no speculative flags; ``block``: a P-EAGLE head's block (parallel drafting)."""
     from decode.kinds import eagle3
 
-    lines = eagle3.usage(target, repo_id, gamma, tree, spec_extra=sample_key(sample_method), verifier=verifier)
-    return ["## Usage", "", eagle3.WHAT_IT_IS, "", *lines]
+    extra = sample_key(sample_method)
+    lines = eagle3.usage(target, repo_id, gamma, tree, spec_extra=extra, verifier=verifier, block=block)
+    about = eagle3.WHAT_IT_IS
+    if block:
+        about = (
+            f"A P-EAGLE head drafts up to {block} tokens in one forward (its positions after the first read a mask "
+            f"token and a learned mask feature); otherwise it is an EAGLE-3 head. {about}"
+        )
+    return ["## Usage", "", about, "", *lines]
 
 
 def _vllm_serve(target: str, spec: str) -> list[str]:
@@ -350,8 +366,8 @@ def _shell(word: str) -> str:
 
 def _assistant_line(info: dict) -> str:
     """What the published generation_config sets for HF assisted generation, and why."""
-    if info.get("draft_kind") == "eagle3":
-        return "none: HF assisted generation cannot run an EAGLE-3 head"
+    if is_head_card(info):
+        return "none: HF assisted generation cannot run an EAGLE-3 or P-EAGLE head"
     chosen = info.get("generation_config") or {}
     if isinstance(chosen.get("assistant"), dict):
         return f"`{json.dumps(chosen['assistant'])}`: {chosen.get('why', '')}"
@@ -375,9 +391,14 @@ def _speed_claim(best: dict) -> str:
 def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) -> str:
     """README.md for the published draft, rendered from `info` (the content of draftsmith_eval.json)."""
     best, target, gamma = info["best"], info["target"], info["num_assistant_tokens"]
-    eagle3 = info.get("draft_kind") == "eagle3"
+    eagle3 = is_head_card(info)
+    head = (
+        f"a P-EAGLE head (a block of {info['block_size']} tokens per forward)"
+        if info.get("block_size")
+        else "an EAGLE-3 head"
+    )
     made = (
-        f"an EAGLE-3 head trained with draftsmith on the target's own hidden states ({info['method']})"
+        f"{head} trained with draftsmith on the target's own hidden states ({info['method']})"
         if eagle3
         else f"trained from **{info['base_model']}** with draftsmith ({info['method']})"
     )
@@ -392,7 +413,9 @@ def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) 
         spec = best.get("num_draft_tokens")
         tree = spec if is_tree_spec(spec) else None
         sample = info.get("vllm_draft_sample_method")
-        lines += [""] + eagle3_usage(target, repo_id, gamma, tree, sample, info.get("verifier"))
+        lines += [""] + eagle3_usage(
+            target, repo_id, gamma, tree, sample, info.get("verifier"), info.get("block_size")
+        )
     else:
         lines += [""] + _usage(target, repo_id, gamma, info.get("vllm_draft_sample_method"))
     supply = info.get("reproduce_inputs") or {}

@@ -36,6 +36,7 @@ from decode.compat import match_vocab
 from decode.draft_vocab import FILE as DRAFT_VOCAB
 from decode.draft_vocab import load_saved_head
 from decode.kinds.eagle3 import is_eagle3
+from decode.kinds.eagle3_formats import block_of
 from decode.metrics import best_gamma
 from distill.card import engine_of, render_model_card, slower_than_target
 from distill.draft_folder import (
@@ -504,9 +505,11 @@ def _build_eagle3_into(
     if not is_hub_id(target):
         notes.append(f"the target is a local model ({public_name(target)}): put its Hub id in the commands below")
     config = json.loads((dest / "config.json").read_text())
+    block = block_of(config)
     info = {
         "repo_id": repo_id,
-        "draft_kind": "eagle3",
+        "draft_kind": "peagle" if block else "eagle3",
+        "block_size": block,  # a P-EAGLE head: the tokens it drafts in one forward (vLLM parallel_drafting)
         "target": public_name(target),
         "verifier": verifier,  # what config.json's speculators_config names (None: nothing)
         "vllm_draft_sample_method": recipe_get(src.recipe, "eval.vllm_draft_sample_method"),
@@ -545,7 +548,8 @@ def name_verifier(config_json: Path, verifier: str | None, gamma: int, notes: li
     config.pop("transformer_layer_config", None)
     if verifier:
         archs = (old.get("verifier") or {}).get("architectures") or []
-        config.update(speculators_fields(config, verifier, gamma, archs))
+        kind = "peagle" if block_of(config) else "eagle3"
+        config.update(speculators_fields(config, verifier, gamma, archs, kind=kind))
     else:
         notes.append(
             "config.json names no verifier (speculators_config), so `vllm serve` of this repo needs the target's "

@@ -984,3 +984,51 @@ def test_card_vllm_lines_follow_the_recipes_draft_sample_method():
     assert "draft_sample_method" not in json.loads(vllm_spec("me/d", 3, "greedy"))
     greedy = "\n".join(eagle3_usage("org/target", "me/head", 3, sample_method="greedy", verifier="org/target"))
     assert "draft_sample_method" not in greedy and "vllm serve me/head\n" in greedy
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A P-EAGLE head: published as an EAGLE-3 head that vLLM drafts in parallel
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def peagle_run(eagle3_run, tmp_path_factory) -> Path:
+    """eagle3_run with best/ replaced by a P-EAGLE head of block 3 for the same target."""
+    from decode.kinds import eagle3, peagle
+
+    run = tmp_path_factory.mktemp("peagle-publish") / "run"
+    shutil.copytree(eagle3_run, run)
+    shutil.rmtree(run / "best")
+    target_dir = Path(load_recipe(run / "resolved_recipe.yaml", []).target.model)
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    head = peagle.build(target, list(range(0, TARGET_VOCAB, 2)), [1, 2, 3], block_size=3, mask_token_id=0)
+    eagle3.save(head, run / "best", target_name=str(target_dir))
+    best = {**BEST, "draft_kind": "peagle", "draft_vocab_size": TARGET_VOCAB // 2, "num_draft_tokens": 3}
+    (run / "best" / "eval.json").write_text(json.dumps(best))
+    (run / "report.json").write_text(json.dumps({"best": best, "best_step": 40, "checkpoints": []}))
+    return run
+
+
+def test_a_peagle_head_is_published_with_parallel_drafting_launch_lines(peagle_run, tmp_path):
+    """The card and the folder's README name P-EAGLE and its block; vLLM's line asks for parallel drafting with at
+    most the block's tokens; SGLang gets no line (it has no parallel drafting); config.json's speculators keys say
+    peagle with --verifier; draftsmith_eval.json records the kind and the block."""
+    from distill.publish import BuildOptions, build_publish_folder
+
+    repo = "someone/tiny-peagle"
+    out = build_publish_folder(peagle_run, tmp_path / "pub", repo, BuildOptions(verifier="org/tiny-target"))
+    card = (out / "README.md").read_text()
+    assert "a P-EAGLE head (a block of 3 tokens per forward)" in card
+    spec = json.dumps({"method": "eagle3", "model": repo, "num_speculative_tokens": 3,
+                       "draft_sample_method": "probabilistic", "parallel_drafting": True})  # fmt: skip
+    assert f"--speculative-config '{spec}'" in card
+    assert "--speculative-algorithm EAGLE3" not in card and "SGLang: no parallel drafting" in card
+    assert "HF assisted generation cannot run an EAGLE-3 or P-EAGLE head" in card
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == 0
+    assert config["block_size"] == 3 and config["parallel_drafting"] is True
+    info = json.loads((out / "draftsmith_eval.json").read_text())
+    assert info["draft_kind"] == "peagle" and info["block_size"] == 3
+
+    from decode.kinds import eagle3
+
+    readme = eagle3.readme(config, "org/tiny-target")
+    assert readme.startswith("# P-EAGLE draft head") and '"parallel_drafting": true' in readme

@@ -585,9 +585,11 @@ def usage(
     tree: str | None = None,
     spec_extra: dict | None = None,
     verifier: str | None = None,
+    block: int | None = None,
 ) -> list[str]:
     """Markdown launch lines for the head in ``model`` with ``target``: vLLM's ``method: eagle3``, SGLang's EAGLE3,
-    draftsmith's bench and its Python loader.
+    draftsmith's bench and its Python loader. ``block``: a P-EAGLE head's block (it drafts up to that many tokens
+    in one forward): vLLM serves it with ``parallel_drafting``; SGLang has no parallel drafting, so it gets no line.
 
     ``tree``: the ``tree:TOPK,DEPTH,NODES`` the figures were measured with, if any: SGLang and draftsmith then
     draft that tree; vLLM drafts a chain of ``gamma`` (the tree's depth). ``spec_extra``: more keys of vLLM's
@@ -596,7 +598,8 @@ def usage(
     """
     from decode.draft_length import parse_tree
 
-    extra = spec_extra or {}
+    extra = {**(spec_extra or {}), **({"parallel_drafting": True} if block else {})}
+    gamma = min(gamma, block) if block else gamma  # vLLM refuses more speculative tokens than the trained block
     spec = json.dumps({"method": "eagle3", "model": model, "num_speculative_tokens": gamma, **extra})
     alone = [] if not verifier else [
         f"The head's `config.json` names its target ({verifier}) and {gamma} speculative tokens "
@@ -614,6 +617,20 @@ def usage(
         shape = parse_tree(tree)
         topk, steps = shape.topk, shape.depth
         verified, draftsmith = shape.nodes + 1, str(shape)  # SGLang counts the root among its draft tokens
+    sglang = [
+        "SGLang:",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\",
+        f"    --speculative-draft-model-path {model} --speculative-num-steps {steps} \\",
+        f"    --speculative-eagle-topk {topk} --speculative-num-draft-tokens {verified}",
+        "```",
+    ]
+    if block:
+        sglang = [
+            "SGLang: no parallel drafting for EAGLE-3 heads; run as a chain, a P-EAGLE head's positions after the "
+            "first would read its own outputs instead of the mask inputs it was trained on, and accept less.",
+        ]
     return [
         "vLLM:",
         "",
@@ -622,13 +639,7 @@ def usage(
         f"vllm serve {target} --speculative-config '{spec}'",
         "```",
         "",
-        "SGLang:",
-        "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\",
-        f"    --speculative-draft-model-path {model} --speculative-num-steps {steps} \\",
-        f"    --speculative-eagle-topk {topk} --speculative-num-draft-tokens {verified}",
-        "```",
+        *sglang,
         "",
         "draftsmith's own decoder (a checkout of draftsmith), from the command line or in Python:",
         "",
@@ -652,16 +663,17 @@ def readme(config: dict, target_name: str | None) -> str:
     """README.md of a head folder (a checkpoint, best/): what it is and how to serve or load it."""
     target = target_name or "TARGET"
     aux, size, vocab = config["eagle_aux_hidden_state_layer_ids"], config["draft_vocab_size"], config["vocab_size"]
+    block = eagle3_formats.block_of(config)
     lines = [
-        "# EAGLE-3 draft head",
+        "# P-EAGLE draft head" if block else "# EAGLE-3 draft head",
         "",
-        ABOUT,
+        ABOUT_PEAGLE if block else ABOUT,
         "",
         f"Trained with draftsmith for the target `{target}`: it reads the target's `hidden_states` {aux} (the "
         f"inputs of those layers, vLLM's `eagle_aux_hidden_state_layer_ids`) and drafts from {size} of the "
         f"target's {vocab} tokens. {WHAT_IT_IS}",
         "",
-        *usage(target, "PATH/TO/THIS/FOLDER", TTT_STEPS),
+        *usage(target, "PATH/TO/THIS/FOLDER", block or TTT_STEPS, block=block),
         f"Files: `config.json` (a one-layer Llama config, architectures `[{ARCHITECTURE}]`, with `draft_vocab_size`, "
         "`target_hidden_size`, the aux layer ids in vLLM's convention at the top level and in SGLang's in "
         f"`eagle_config`) and `{WEIGHTS}` (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; no embedding).",

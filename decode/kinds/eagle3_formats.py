@@ -50,6 +50,14 @@ REFUSED = {
 NOT_HEAD = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")
 
 
+def block_of(config: dict) -> int | None:
+    """The block a head's config.json says it drafts in one forward (a P-EAGLE head: ``mask_token_id`` and
+    ``block_size``), or None for a head that drafts a chain (EAGLE-3)."""
+    if config.get("mask_token_id") is None or not config.get("parallel_drafting", config.get("block_size")):
+        return None
+    return int(config.get("block_size") or 0) or None
+
+
 def speculators_fields(
     config: dict, verifier: str, speculative_tokens: int, verifier_architectures: list[str], kind: str = "eagle3"
 ) -> dict:
