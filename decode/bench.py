@@ -45,7 +45,7 @@ from decode import kernels
 from decode.compat import check_context, check_vocab_compatible, logits_width, text_config, with_rows
 from decode.draft_length import AutoDraftLength, TreeShape, is_tree_spec, parse_tree
 from decode.draft_vocab import with_subset_head
-from decode.kinds import kind_of
+from decode.kinds import forwards_per_round, kind_of
 from decode.metrics import (
     ForwardCostMeter,
     acceptance_metrics,
@@ -480,7 +480,7 @@ def run_bench(
     costs = meter.summary(spec_stats.gamma_used, verified)
     c, v = costs["c"], costs["v"]
     tau = spec_stats.mean_accepted_length
-    theory = theoretical_speedup(tau, gamma, c, v)
+    theory = theoretical_speedup(tau, forwards_per_round(spec_draft, gamma), c, v)  # a block: one forward
     # The same zero-overhead figure once the prompt forwards that every method pays are counted (an average
     # batch: mean padded prompt width, mean new tokens per row); the draft's prompt forward is speculative's own.
     width = sum(ids.shape[1] for ids, _ in batches) / len(batches)

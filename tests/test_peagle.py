@@ -229,3 +229,20 @@ def test_the_drafter_proposes_the_trained_block_positions(pair):
     want = [int(head.draft_ids[unrolled[k][0, n - 1].argmax()]) for k in range(BLOCK)]
     assert tokens[0].tolist() == want and drafter.forwards == 1
     assert drafter.cache.slots == n  # the mask positions are dropped after the round
+
+
+def test_the_bench_costs_a_block_at_one_draft_forward_per_round(pair):
+    """The bench's zero-overhead figure for a block draft is tau / (c + v): one head forward drafts the block
+    (a chain of gamma tokens costs gamma c)."""
+    from decode.bench import run_bench
+    from tests.tiny import char_tokenizer
+
+    target, head = pair
+    prompts = [{"id": str(i), "prompt": text} for i, text in enumerate(["def f(x):", "import os", "class A:"])]
+    result = run_bench(
+        target, head, char_tokenizer(), prompts, target_name="t", draft_name="h", max_new_tokens=12,
+        num_draft_tokens=BLOCK, repeats=1, baselines=("target",), progress=False,
+    )  # fmt: skip
+    tau, c, v = result["mean_accepted_length"], result["draft_cost_ratio"], result["verify_cost_ratio"]
+    assert result["mean_num_draft_tokens"] > 1
+    assert result["theoretical_speedup"] == pytest.approx(tau / (c + v), rel=1e-3)

@@ -535,7 +535,7 @@ counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
 spec = llm.llm_engine.vllm_config.speculative_config
 print("RESULT", json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
       "drafts": counters.get("vllm:spec_decode_num_drafts", 0), "method": spec and spec.method,
-      "k": spec and spec.num_speculative_tokens}))
+      "k": spec and spec.num_speculative_tokens, "parallel": bool(spec and spec.parallel_drafting)}))
 """
 
 
@@ -599,11 +599,20 @@ def test_vllm_bench_drafts_probabilistically_by_default(vllm_ok, tmp_path, padde
     assert greedy["draft_sample_method"] == "greedy"
 
 
-def fitted_eagle3_head(target_dir: str, out: Path, prompts: list[dict], every: int, steps: int = 60) -> Path:
-    """An EAGLE-3 head fitted for ``steps`` steps (distill.eagle3_train's step loss, float32) to the saved target's
-    greedy continuations of ``prompts``, so that it proposes what the target writes there and accepts most of its
-    drafts. Its draft vocabulary: the whole vocabulary (``every=1``: padding included, saved without d2t), or
-    every other id plus every id the target writes on the prompts (``every=2``: d2t offsets not all zero)."""
+def fitted_eagle3_head(
+    target_dir: str,
+    out: Path,
+    prompts: list[dict],
+    every: int,
+    steps: int = 60,
+    block: int | None = None,
+    lr: float = 1e-2,
+) -> Path:
+    """An EAGLE-3 head (a P-EAGLE head of ``block`` tokens if given) fitted for ``steps`` steps (distill.eagle3_train's
+    step loss, float32) to the saved target's greedy continuations of ``prompts``, so that it proposes what the
+    target writes there and accepts most of its drafts. Its draft vocabulary: the whole vocabulary (``every=1``:
+    padding included, saved without d2t), or every other id plus every id the target writes on the prompts
+    (``every=2``: d2t offsets not all zero)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from decode.kinds import eagle3
@@ -618,8 +627,13 @@ def fitted_eagle3_head(target_dir: str, out: Path, prompts: list[dict], every: i
     written = {t for p, c in pairs for t in (*p, *c)}
     draft_ids = range(target.config.vocab_size) if every == 1 else sorted(set(range(0, VOCAB, 2)) | written)
     torch.manual_seed(0)
-    model = eagle3_train.Unrolled(eagle3.build(target, list(draft_ids), aux_layers=[1, 2, 3]))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    head = eagle3.build(target, list(draft_ids), aux_layers=[1, 2, 3])
+    if block:
+        from decode.kinds import peagle
+
+        head = peagle.with_mask(head, block_size=block, mask_token_id=VOCAB - 1)
+    model = eagle3_train.Unrolled(head)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     batch = data.collate_training(pairs, 0)
     for _ in range(steps):
         loss, _ = eagle3_train.step_loss(model, target, batch, DistillConfig())
@@ -708,6 +722,58 @@ def test_eagle3_head_in_vllm_matches_target_only(vllm_ok, tmp_path, padded_pair,
     mine, theirs = ours["per_position_acceptance"], result["per_position_acceptance"]
     assert min(mine) > 0.5, mine  # the fitted head is accepted: the comparison has power
     assert len(theirs) == 3 and all(abs(a - b) <= 0.1 for a, b in zip(mine, theirs)), (mine, theirs)
+
+
+@pytest.mark.slow
+def test_peagle_head_in_vllm_drafts_its_block_in_parallel_and_matches_target_only(vllm_ok, tmp_path, padded_pair):
+    """A fitted P-EAGLE head (block 3; its mask positions learn slower than its first, hence more steps) measured
+    with ``eval.extra_engines=[vllm]``: vLLM runs it as method eagle3 with parallel drafting (one draft forward
+    per round), float32 greedy output equal to vLLM target-only, and it accepts, position by position, what it
+    accepts in draftsmith's decoder on the same prompts, K and dtype: vLLM reads the mask token and mask feature
+    as draftsmith trained them. With its target named in config.json (speculators peagle), ``LLM(model=HEAD)``
+    with no speculative flags serves it the same way."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decode.bench import run_bench
+    from decode.kinds import eagle3
+    from decode.prompts import load_prompts
+    from distill.engines import measure_extra_engines
+
+    target, draft, prompt_file = padded_pair
+    best = fitted_eagle3_head(
+        target, tmp_path / "best", load_prompts(prompt_file), every=2, steps=400, block=3, lr=3e-3
+    )
+    (best / "eval.json").write_text(json.dumps({"engine": "draftsmith", "dtype": "float32"}))
+    overrides = [f"target.model={target}", f"draft.model={draft}", "eval.max_new_tokens=24",
+                 "eval.num_draft_tokens=3", "eval.extra_engines=[vllm]"]  # fmt: skip
+    assert measure_extra_engines(best, load_recipe(None, overrides), load_prompts(prompt_file))
+    result = json.loads((best / "eval_vllm.json").read_text())
+    assert result["draft_kind"] == "peagle" and result["outputs_match_target"] is True, result["greedy_agreement"]
+    counters = result["spec_decode_counters"]
+    assert counters["vllm:spec_decode_num_drafts"] > 0 and result["mean_num_draft_tokens"] == 3.0
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    ours = run_bench(
+        model, eagle3.load(best, model), AutoTokenizer.from_pretrained(target), load_prompts(prompt_file),
+        target_name=target, draft_name=str(best), max_new_tokens=24, num_draft_tokens=3, repeats=1,
+        baselines=("target",), progress=False,
+    )  # fmt: skip
+    mine, theirs = ours["per_position_acceptance"], result["per_position_acceptance"]
+    assert min(mine) > 0.3, mine  # the fitted head is accepted at every position: the comparison has power
+    assert len(theirs) == 3 and all(abs(a - b) <= 0.1 for a, b in zip(mine, theirs)), (mine, theirs)
+
+    named = eagle3.save(eagle3.load(best, model), tmp_path / "named", verifier=target, speculative_tokens=3)
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = [tok(json.loads(line)["prompt"])["input_ids"] for line in Path(prompt_file).read_text().splitlines()]
+    env = {**vllm_env(), "PYTHONPATH": str(REPO)}
+    runs = {}
+    for name, served in (("head", str(named)), ("target", target)):
+        proc = subprocess.run([sys.executable, "-c", NO_FLAGS, served, json.dumps(prompts)], capture_output=True,
+                              text=True, env=env, timeout=900)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = json.loads(proc.stdout.split("RESULT ")[-1])
+    head = runs["head"]
+    assert head["method"] == "eagle3" and head["k"] == 3 and head["parallel"] is True and head["drafts"] > 0
+    assert runs["target"]["method"] is None and head["tokens"] == runs["target"]["tokens"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from decode.kv_stream import KVStream
 
 KINDS = (standalone.NAME, eagle3.NAME, peagle.NAME)
 
-__all__ = ["KINDS", "Verified", "cost_stream", "drafter_for", "kind_of"]
+__all__ = ["KINDS", "Verified", "cost_stream", "drafter_for", "forwards_per_round", "kind_of"]
 
 
 def kind_of(draft: nn.Module) -> str:
@@ -53,3 +53,9 @@ def cost_stream(model: nn.Module, batch: int):
     if kind_of(model) in (eagle3.NAME, peagle.NAME):
         return eagle3.CostStream(model, batch)
     return KVStream(model, batch, logits_width(model))
+
+
+def forwards_per_round(draft: nn.Module, gamma: float) -> float:
+    """Draft forwards a round of ``gamma`` drafted tokens costs: one for a block draft (P-EAGLE), gamma for a
+    chain."""
+    return 1.0 if kind_of(draft) == peagle.NAME else gamma
