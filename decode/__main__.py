@@ -41,6 +41,11 @@ HF_CANNOT_RUN_EAGLE3 = (
     "HF assisted generation cannot run an EAGLE-3 head (generate(assistant_model=...) takes a standalone causal "
     "LM): use --baselines target, and serve the head with vLLM (method eagle3) or SGLang (EAGLE3)"
 )
+HF_CANNOT_RUN_PARD = (
+    "HF assisted generation cannot run a PARD draft's block (it would draft a chain, never reading the mask "
+    'tokens it was trained on): use --baselines target, and serve it with vLLM ({"method": "draft_model", '
+    '"parallel_drafting": true})'
+)
 
 
 def _draft_tokens(value: str) -> int | str:
@@ -155,12 +160,13 @@ def draft_vocab_ids(value: str, draft: str) -> list[int] | None:
     return load_ids(value)
 
 
-def default_baselines(requested: tuple[str, ...] | None, eagle3_head: bool) -> tuple[str, ...]:
-    """``--baselines``: what was asked, else target and HF assisted (target alone for an EAGLE-3 head)."""
+def default_baselines(requested: tuple[str, ...] | None, eagle3_head: bool, pard: bool = False) -> tuple[str, ...]:
+    """``--baselines``: what was asked, else target and HF assisted (target alone for an EAGLE-3 head or a PARD
+    draft, which HF assisted generation cannot run)."""
     if requested is None:
-        return ("target",) if eagle3_head else ("target", "hf")
-    if eagle3_head and "hf" in requested:
-        raise ValueError(HF_CANNOT_RUN_EAGLE3)
+        return ("target",) if eagle3_head or pard else ("target", "hf")
+    if (eagle3_head or pard) and "hf" in requested:
+        raise ValueError(HF_CANNOT_RUN_EAGLE3 if eagle3_head else HF_CANNOT_RUN_PARD)
     return requested
 
 
@@ -233,14 +239,15 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
 
     from decode.bench import run_bench
     from decode.compat import check_vocab_compatible
-    from decode.kinds import eagle3
+    from decode.kinds import eagle3, pard
 
     head = eagle3.is_eagle3(args.draft)
+    block_lm = pard.is_pard_folder(args.draft)
     if str(args.num_draft_tokens).startswith("tree:"):  # before any weights load
         from decode.tree import check_tree
 
-        check_tree("eagle3" if head else "standalone", args.batch_size, args.temperature)
-    baselines = default_baselines(args.baselines, head)
+        check_tree("eagle3" if head else ("pard" if block_lm else "standalone"), args.batch_size, args.temperature)
+    baselines = default_baselines(args.baselines, head, block_lm)
     target_tok, draft_tok, prompts = check_inputs(args)
     if head and args.draft_vocab not in ("auto", "full"):
         raise ValueError("an EAGLE-3 head drafts from the draft vocabulary it was trained with: drop --draft-vocab")

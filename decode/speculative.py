@@ -32,7 +32,7 @@ from torch import nn
 from decode import acceptance, tree
 from decode.compat import check_context, logits_width
 from decode.draft_length import AutoDraftLength, FixedDraftLength, TreeShape, is_tree_spec, parse_tree
-from decode.kinds import Verified, drafter_for, peagle
+from decode.kinds import Verified, check_draft_length, drafter_for
 from decode.kinds.standalone import all_real
 from decode.kv_stream import KVStream, decoding
 from decode.output import Emitter, SpecOutput, SpecStats, eos_ids, pack
@@ -117,7 +117,7 @@ def speculative_generate(
     check_context({"target": target, "draft": draft}, int(prompt_mask.sum(1).max()), max_new_tokens)
     controller = _draft_length(num_draft_tokens, draft_cost_ratio)
     if isinstance(controller, FixedDraftLength):
-        peagle.check_draft_length(draft, controller.max_gamma)  # a block draft: not above its trained block
+        check_draft_length(draft, controller.max_gamma)  # a block draft: not above its trained block
     batch = input_ids.shape[0]
     if isinstance(controller, TreeShape):
         tree.check_tree(draft, batch, temperature)

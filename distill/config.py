@@ -94,23 +94,25 @@ class DraftConfig(ModelConfig):
     """The draft: a model to load (`model`), or one built from the target (`init: truncate`), or an EAGLE-3 head
     over the target's hidden states (`kind: eagle3`)."""
 
-    kind: Literal["standalone", "eagle3", "peagle"] = _f(
+    kind: Literal["standalone", "eagle3", "peagle", "pard"] = _f(
         "standalone",
         "standalone: a small causal LM with the target's tokenizer; eagle3: a one-layer head that reads the "
         "target's own hidden states at three layers (decode.kinds.eagle3), built from the target (draft.model "
         "empty) or started from an EAGLE-3 head folder (draft.model); peagle: an EAGLE-3 head that drafts "
         "draft.block_size tokens in one forward (decode.kinds.peagle), built from the target or started from an "
-        "EAGLE-3 or P-EAGLE head folder",
+        "EAGLE-3 or P-EAGLE head folder; pard: a standalone draft (draft.model) trained to draft draft.block_size "
+        "tokens in one forward from mask tokens (decode.kinds.pard)",
     )
     block_size: int = _f(
         6,
-        "kind=peagle: the tokens the head drafts in one forward, every one of them trained (2..16); decoding may "
-        "verify fewer (eval.num_draft_tokens <= block_size, or auto)",
+        "kind=peagle or pard: the tokens the draft drafts in one forward, every one of them trained (2..16); "
+        "decoding may verify fewer (eval.num_draft_tokens <= block_size, or auto)",
     )
     mask_token_id: int | None = _f(
         None,
-        "kind=peagle: the token the head's drafted positions after the first read (with its learned mask "
-        "feature); null: the tokenizer's mask, pad or unk token, else the last id of the vocabulary",
+        "kind=peagle or pard: the token the drafted positions after the first read (a P-EAGLE head's with its "
+        "learned mask feature; a PARD draft's pard_token); null: the tokenizer's mask, pad or unk token (a PARD "
+        "draft already marked: its own), else the last id of the vocabulary",
     )
     aux_layers: list[int] | None = _f(
         None,
@@ -454,9 +456,11 @@ class Recipe:
             )
         _check_tree_eval(self)
         _check_eval_minutes(self)
+        _check_block(self)
+        if self.draft.kind == "pard":
+            _check_pard(self)
         if is_head(self.draft.kind):
             _check_eagle3(self)
-            _check_block(self)
         elif self.distill.loss_vocab == "subset":
             _check(
                 self.draft.vocab_subset > 0,
@@ -486,22 +490,39 @@ def _check_eval_minutes(recipe: Recipe) -> None:
     )
 
 
+BLOCK_KINDS = ("peagle", "pard")  # the kinds that draft a whole block in one forward (draft.block_size)
+
+
 def is_head(kind: str) -> bool:
     """True for the draft kinds that are EAGLE-3 heads over the target's hidden states (eagle3, peagle)."""
     return kind in ("eagle3", "peagle")
 
 
 def _check_block(recipe: Recipe) -> None:
-    """draft.kind=peagle: the evaluations verify at most the block the head is trained for."""
+    """draft.kind=peagle or pard: the evaluations verify at most the block the draft is trained for."""
     spec = recipe.eval.num_draft_tokens
-    if recipe.draft.kind != "peagle" or not (isinstance(spec, int) or str(spec).isdigit()):
+    if recipe.draft.kind not in BLOCK_KINDS or not (isinstance(spec, int) or str(spec).isdigit()):
         return
+    what = "P-EAGLE head" if recipe.draft.kind == "peagle" else "PARD draft"
     _check(
         int(spec) <= recipe.draft.block_size,
         "eval.num_draft_tokens",
-        f"{spec} is above draft.block_size={recipe.draft.block_size}, the block the P-EAGLE head is trained for: "
+        f"{spec} is above draft.block_size={recipe.draft.block_size}, the block the {what} is trained for: "
         "set eval.num_draft_tokens <= draft.block_size (or auto), or raise draft.block_size",
     )
+
+
+def _check_pard(recipe: Recipe) -> None:
+    """draft.kind=pard: its step scores each block position over the whole vocabulary against a fresh target
+    forward, so the options for a reduced or cached teacher are refused (one line each)."""
+    refused = {
+        "distill.cache_teacher": recipe.distill.cache_teacher,
+        "distill.top_k": recipe.distill.top_k > 0,
+        "distill.loss_vocab": recipe.distill.loss_vocab == "subset",
+        "draft.vocab_subset": recipe.draft.vocab_subset > 0,
+    }
+    for key, on in refused.items():
+        _check(not on, key, "does not apply to draft.kind=pard (its step scores the whole vocabulary): unset it")
 
 
 def _check_eagle3(recipe: Recipe) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from distill.checkpoints import write_json_atomic
-from distill.config import ModelConfig, Recipe
+from distill.config import ModelConfig, Recipe, is_head
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -103,7 +103,7 @@ def evaluate_vllm(
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):  # a quantized target: vLLM loads it unquantized
         dtype = torch.bfloat16
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-draft-") as tmp:
-        if kind_of(draft) == eagle3.NAME:  # the served format; vLLM takes the embedding and tokenizer from the target
+        if is_head(kind_of(draft)):  # the served format; vLLM takes the embedding and tokenizer from the target
             draft_dir = eagle3.save(draft, Path(tmp) / "draft", dtype=dtype)
         else:
             draft_dir = save_draft_for_vllm(draft, tokenizer, target.config, Path(tmp) / "draft", dtype=dtype)
@@ -125,7 +125,8 @@ def _bench_draftsmith(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype
     sits on the target (its embedding); HF assisted generation cannot run it.
     """
     from decode.draft_vocab import load_ids
-    from decode.kinds import eagle3
+    from decode.kinds import eagle3, kind_of
+    from distill import kinds
     from distill.models import load_target, load_tokenizer
 
     target = load_target(dataclasses.replace(recipe.target, dtype=dtype))
@@ -138,7 +139,8 @@ def _bench_draftsmith(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype
         )
     tokenizer = load_tokenizer(recipe.target.model, recipe.target, key="target.model")
     return bench_by_recipe(
-        target, draft, tokenizer, prompts, recipe, draft_name=str(best), progress=False, hf_assisted=not head,
+        target, draft, tokenizer, prompts, recipe, draft_name=str(best), progress=False,
+        hf_assisted=not head and kinds.get(kind_of(draft)).HF_ASSISTED,
         draft_vocab=None if head else load_ids(best),
     )  # fmt: skip
 

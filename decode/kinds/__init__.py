@@ -15,6 +15,7 @@ The accept/reject rule, the bench and best/ selection stay the same for every ki
     standalone   a small causal LM with the target's tokenizer (decode.kinds.standalone)
     eagle3       a one-layer head over three of the target's hidden layers (decode.kinds.eagle3)
     peagle       an EAGLE-3 head that drafts a whole block in one forward (decode.kinds.peagle)
+    pard         a standalone draft LM that drafts a whole block in one forward from mask tokens (decode.kinds.pard)
 """
 
 from __future__ import annotations
@@ -23,19 +24,29 @@ import torch
 from torch import nn
 
 from decode.compat import logits_width
-from decode.kinds import eagle3, peagle, standalone
+from decode.kinds import eagle3, pard, peagle, standalone
 from decode.kinds.standalone import Verified
 from decode.kv_stream import KVStream
 
-KINDS = (standalone.NAME, eagle3.NAME, peagle.NAME)
+KINDS = (standalone.NAME, eagle3.NAME, peagle.NAME, pard.NAME)
+BLOCK_KINDS = (peagle.NAME, pard.NAME)  # a whole block per draft forward
 
-__all__ = ["KINDS", "Verified", "cost_stream", "drafter_for", "forwards_per_round", "kind_of"]
+__all__ = [
+    "BLOCK_KINDS",
+    "KINDS",
+    "Verified",
+    "check_draft_length",
+    "cost_stream",
+    "drafter_for",
+    "forwards_per_round",
+    "kind_of",
+]
 
 
 def kind_of(draft: nn.Module) -> str:
-    """The kind of a loaded draft: ``eagle3`` for an EAGLE-3 head, ``peagle`` for a P-EAGLE one, else
-    ``standalone``."""
-    return getattr(draft, "kind", standalone.NAME)
+    """The kind of a loaded draft: ``eagle3`` for an EAGLE-3 head, ``peagle`` for a P-EAGLE one, ``pard`` for a
+    draft LM whose config has a ``pard_token``, else ``standalone``."""
+    return getattr(draft, "kind", None) or (pard.NAME if pard.is_pard(draft) else standalone.NAME)
 
 
 def drafter_for(draft: nn.Module, batch: int, vocab: int, input_ids: torch.Tensor, prompt_mask: torch.Tensor):
@@ -45,6 +56,8 @@ def drafter_for(draft: nn.Module, batch: int, vocab: int, input_ids: torch.Tenso
         return peagle.Drafter(draft, batch, vocab)
     if kind == eagle3.NAME:
         return eagle3.Drafter(draft, batch, vocab)
+    if kind == pard.NAME:
+        return pard.Drafter(draft, batch, vocab, input_ids, prompt_mask)
     return standalone.Drafter(draft, batch, vocab, input_ids, prompt_mask)
 
 
@@ -58,4 +71,13 @@ def cost_stream(model: nn.Module, batch: int):
 def forwards_per_round(draft: nn.Module, gamma: float) -> float:
     """Draft forwards a round of ``gamma`` drafted tokens costs: one for a block draft (P-EAGLE), gamma for a
     chain."""
-    return 1.0 if kind_of(draft) == peagle.NAME else gamma
+    return 1.0 if kind_of(draft) in BLOCK_KINDS else gamma
+
+
+def check_draft_length(draft: nn.Module, gamma: int) -> None:
+    """ValueError when a fixed ``gamma`` is above the block a block draft was trained for (a chain: no limit)."""
+    kind = kind_of(draft)
+    if kind == peagle.NAME:
+        peagle.check_draft_length(draft, gamma)
+    elif kind == pard.NAME:
+        pard.check_draft_length(draft, gamma)

@@ -23,12 +23,13 @@ docs/draft-kinds.md has the table of what each kind does.
     standalone   a small causal LM with the target's tokenizer (distill.kinds.standalone)
     eagle3       a one-layer head over three of the target's hidden layers (distill.kinds.eagle3)
     peagle       an EAGLE-3 head that drafts a whole block in one forward (distill.kinds.peagle)
+    pard         a standalone draft LM that drafts a whole block in one forward from mask tokens (distill.kinds.pard)
 """
 
 from __future__ import annotations
 
 from distill.config import Recipe
-from distill.kinds import eagle3, peagle, standalone
+from distill.kinds import eagle3, pard, peagle, standalone
 from distill.kinds.interface import Kind, StepLoss
 
 __all__ = ["KINDS", "Kind", "StepLoss", "engine_limits", "get"]
@@ -38,6 +39,7 @@ KINDS: dict[str, Kind] = {
     standalone.NAME: standalone,
     eagle3.NAME: eagle3,
     peagle.NAME: peagle,
+    pard.NAME: pard,
 }
 
 

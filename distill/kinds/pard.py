@@ -1,0 +1,181 @@
+"""Training a PARD draft (`draft.kind: pard`): a standalone draft LM that drafts draft.block_size tokens in one
+forward from mask tokens.
+
+Everything but the step is the standalone kind's (distill.kinds.standalone): the draft is loaded from draft.model
+(a sibling, a pretrained small LM, or a cut of the target), speeds up the target's rollouts, and is saved as an
+ordinary HF checkpoint, its config marked with ``pard_token`` and ``block_size`` (decode.kinds.pard). A step runs
+the draft once over every sequence and its K - 1 mask copies (decode.kinds.pard.block_inputs) and compares block
+position k at anchor i with the target's distribution at i + k, the position that predicts x_{i+k+1}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from decode.kinds import pard as decoding
+from distill import losses, models
+from distill.config import Recipe
+from distill.kinds.interface import StepLoss
+from distill.kinds.standalone import (  # the same as a standalone draft's
+    build_draft,
+    check_not_a_head,
+    generation_recorder,
+    served,
+)
+
+NAME = decoding.NAME
+DESCRIPTION = "a PARD draft LM"
+LOADS_DRAFT_MODEL = True
+HF_ASSISTED = False  # HF assisted generation would run it as a chain: its mask positions unused
+GENERATES_ROLLOUTS = True
+
+__all__ = [
+    "block_loss",
+    "build_draft",
+    "cache_teacher",
+    "check_inputs",
+    "decoding_vocab",
+    "generation_recorder",
+    "load_draft",
+    "loss_step",
+    "save_checkpoint",
+    "served",
+]
+
+
+def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:
+    """draft.model must be a causal LM, not a head folder (the options a PARD step does not run are refused with
+    the recipe: distill.config)."""
+    if recipe.draft.model and recipe.draft.init != "truncate":
+        check_not_a_head(recipe.draft.model)
+
+
+def load_draft(recipe: Recipe, device: torch.device) -> tuple[nn.Module, Any]:
+    """draft.model loaded for training (as a standalone draft), marked a PARD draft of draft.block_size with its
+    mask token (draft.mask_token_id, else the tokenizer's mask, pad or unk token, else the vocabulary's last id;
+    a draft already marked keeps its own unless the recipe names one)."""
+    draft = models.load_draft(recipe.draft, device=device, gradient_checkpointing=recipe.train.gradient_checkpointing)
+    tokenizer = models.load_tokenizer(recipe.draft.model, recipe.draft, key="draft.model")
+    vocab = int(draft.config.vocab_size)
+    mask = recipe.draft.mask_token_id
+    if mask is None:
+        mask = getattr(draft.config, "pard_token", None)
+    if mask is None:
+        found = (tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
+        mask = next((int(i) for i in found if i is not None and 0 <= int(i) < vocab), vocab - 1)
+    decoding.mark(draft, block_size=recipe.draft.block_size, pard_token=int(mask))
+    return draft, tokenizer
+
+
+def cache_teacher(recipe: Recipe, target: nn.Module) -> None:
+    """Nothing is kept: every step runs the target (the recipe refuses distill.cache_teacher)."""
+    return None
+
+
+def decoding_vocab(
+    recipe: Recipe, source: Any, train_prompts: Sequence, vocab_size: int, state: Any, is_main: bool
+) -> None:
+    """The whole vocabulary (the recipe refuses draft.vocab_subset)."""
+    return None
+
+
+def block_loss(
+    draft: nn.Module,
+    teacher: torch.Tensor,
+    ids: torch.Tensor,
+    valid: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss: str,
+    beta: float,
+    temperature: float,
+    step_weight: float,
+    vocab_size: int | None = None,
+    shift: int = 0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """sum_k w^k loss_k / sum_k w^k over the draft's block positions, and per position its loss and top-1
+    agreement with the target (``train/loss_k``, ``train/acc_k``).
+
+    Block position k at anchor i predicts x_{i+k+1}: it is compared with the target's logits at i + k (``teacher``
+    [B, S, V], one forward of the target over ``ids``), where ``loss_mask`` at i + k says whether x_{i+k+1}
+    counts. ``shift``: for tests only, moves the teacher of the positions k >= 1 (a wrong step that must fail).
+    """
+    blocks = decoding.block_logits(draft, ids, valid, decoding.block_of(draft))
+    width = ids.shape[1]
+    total, weights, stats = None, 0.0, {}
+    for k, student in enumerate(blocks):
+        at = k + (shift if k else 0)
+        if at >= width:
+            break
+        mask = torch.zeros_like(loss_mask)
+        mask[:, : width - at] = loss_mask[:, at:]
+        if not bool(mask.any()):
+            continue  # sequences too short for this position
+        shifted = torch.zeros_like(teacher)
+        shifted[:, : width - at] = teacher[:, at:]
+        loss_k = losses.distill_loss(
+            student, shifted, mask, loss=loss, beta=beta, temperature=temperature, vocab_size=vocab_size
+        )
+        weight = step_weight**k
+        total = weight * loss_k if total is None else total + weight * loss_k
+        weights += weight
+        stats[f"train/loss_{k}"] = float(loss_k.detach())
+        agreement = losses.top1_agreement(student.detach(), shifted, mask, vocab_size=vocab_size)
+        stats[f"train/acc_{k}"] = float(agreement)
+    if total is None:
+        raise ValueError("the loss mask selects no completion token: raise distill.max_new_tokens")
+    return total / weights, stats
+
+
+def loss_step(
+    accelerator: Any,
+    draft: nn.Module,
+    target: nn.Module,
+    recipe: Recipe,
+    vocab_size: int,
+    teachers: Any,
+    draft_vocab: list[int] | None,
+) -> Callable[[dict[str, torch.Tensor], list, bool], StepLoss]:
+    """The step of one micro-batch: the target's logits over the batch, then :func:`block_loss` of the prepared
+    ``draft`` (its forward through accelerate's wrapper, so DDP syncs its gradients)."""
+    cfg = recipe.distill
+    unwrapped = accelerator.unwrap_model(draft)
+
+    def step(batch: dict[str, torch.Tensor], pairs: list, on_policy: bool) -> StepLoss:
+        with torch.no_grad():
+            teacher = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss, stats = block_loss(
+            _Forward(draft, unwrapped), teacher, batch["input_ids"], batch["attention_mask"].bool(),
+            batch["loss_mask"], cfg.loss, cfg.beta, cfg.temperature, cfg.step_weight, vocab_size,
+        )  # fmt: skip
+        return StepLoss(loss, stats.get("train/acc_0", 0.0), len(pairs), stats)
+
+    return step
+
+
+class _Forward(nn.Module):
+    """The prepared (wrapped) draft's forward with the unwrapped draft's config and parameters, for
+    decoding.block_logits."""
+
+    def __init__(self, prepared: nn.Module, unwrapped: nn.Module):
+        super().__init__()
+        self.prepared, self.config = prepared, unwrapped.config
+        self._params = unwrapped.parameters
+
+    def parameters(self, recurse: bool = True):
+        return self._params(recurse)
+
+    def forward(self, **kwargs):
+        return self.prepared(**kwargs)
+
+
+def save_checkpoint(
+    draft: nn.Module, folder: Path, tokenizer: Any, draft_vocab: tuple | None, recipe: Recipe, result: dict
+) -> None:
+    """An HF checkpoint whose config carries ``pard_token`` and ``block_size`` (vLLM's draft_model proposer with
+    parallel_drafting reads the first)."""
+    models.save_draft(draft, folder, tokenizer)

@@ -1,0 +1,200 @@
+"""The PARD kind (decode/kinds/pard.py, distill/kinds/pard.py): a draft LM that drafts its whole block in one
+forward from mask tokens.
+
+Its training forward is its decoding path (block position k of anchor i, trained, equals the k-th output of one
+block forward after x_i); greedy output equals target-only for every block size and batch; sampled output follows
+the target's distribution (with a negative control); a block above the trained one is refused; the training step
+trains block position k against the target's distribution k tokens on (an off-by-one fails the fitting test).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decode.kinds import kind_of, pard
+from decode.speculative import speculative_generate, target_generate
+from tests.decode_helpers import chi_square_p_value, left_pad, model_sequence_probs
+from tests.tiny import CHAR_VOCAB, tiny_llama
+
+BLOCK = 4
+MASK = 3
+
+
+def tiny_pair(vocab: int = CHAR_VOCAB, seed: int = 0):
+    """A 4-layer target and a 1-layer draft that starts as the target's embedding, first layer and output layer
+    (a weak but not useless guesser, as a sibling is), marked a PARD draft of BLOCK."""
+    target = tiny_llama(vocab, seed, layers=4, special_id=None)
+    draft = tiny_llama(vocab, None, layers=1, special_id=None)
+    draft.load_state_dict(target.state_dict(), strict=False)
+    return target, pard.mark(draft, block_size=BLOCK, pard_token=MASK)
+
+
+PROMPTS = torch.randint(0, CHAR_VOCAB, (8, 6), generator=torch.Generator().manual_seed(0))
+
+
+def continuations(target, prompts: torch.Tensor = PROMPTS, new: int = 26) -> torch.Tensor:
+    """PROMPTS and the target's greedy continuations of them (the fitted drafts' training text)."""
+    return torch.cat([prompts, torch.tensor(target_generate(target, prompts, max_new_tokens=new).new_tokens)], 1)
+
+
+def fit_pard(target, draft, steps: int = 80, shift: int = 0):
+    """``draft`` fitted for a few steps with the kind's own step loss (distill.kinds.pard.block_loss) to the
+    target's greedy continuations; ``shift`` moves every block position's teacher (a deliberately wrong step)."""
+    from distill.kinds.pard import block_loss
+
+    ids = continuations(target)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        teacher = target(ids).logits
+    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    draft.train()
+    for _ in range(steps):
+        loss, _ = block_loss(draft, teacher, ids, valid, valid, "fkl", 0.5, 1.0, 0.8, shift=shift)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, draft = tiny_pair()
+    return target, fit_pard(target, draft)
+
+
+def test_the_training_forward_is_the_decoding_path():
+    """Block position k at anchor p in the one-pass training forward gives the logits of the k-th output of one
+    decoding forward that reads x_0..x_p and k mask tokens after them."""
+    _, draft = tiny_pair()
+    ids = torch.randint(0, CHAR_VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        blocks = pard.block_logits(draft, ids, valid, BLOCK)
+        for p in (0, 5, 11):
+            seq = torch.cat([ids[:, : p + 1], torch.full((2, BLOCK - 1), MASK)], 1)
+            logits = draft(seq).logits
+            for k in range(BLOCK):
+                torch.testing.assert_close(blocks[k][:, p], logits[:, p + k], atol=1e-5, rtol=1e-5)
+
+
+def test_one_forward_per_round_and_greedy_equals_target_only(pair):
+    target, draft = pair
+    assert kind_of(draft) == "pard"
+    prompt = PROMPTS[:1]  # the draft was fitted to the target's continuation of it: it accepts
+    want = target_generate(target, prompt, max_new_tokens=40, eos_token_id=[]).new_tokens
+    accepted = 0
+    for gamma in (1, 2, BLOCK, "auto"):
+        out = speculative_generate(target, draft, prompt, max_new_tokens=40, num_draft_tokens=gamma, eos_token_id=[])
+        assert out.new_tokens == want, gamma
+        accepted += out.stats.accepted
+        if gamma == BLOCK:  # a whole block per draft forward
+            drafting = sum(1 for g in out.stats.gamma_used if g > 0)
+            assert out.stats.draft_forwards == drafting and out.stats.drafted > drafting * (BLOCK - 1)
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("gamma", [3, "auto"])
+def test_greedy_batch_with_left_padding_equals_each_row_alone(pair, gamma):
+    target, draft = pair
+    gen = torch.Generator().manual_seed(5)
+    prompts = [PROMPTS[1], PROMPTS[2, :4], torch.randint(0, CHAR_VOCAB, (9,), generator=gen), PROMPTS[3, :1]]
+    ids, mask = left_pad(prompts)
+    out = speculative_generate(target, draft, ids, mask, max_new_tokens=30, num_draft_tokens=gamma, eos_token_id=[])
+    for row, prompt in enumerate(prompts):
+        alone = target_generate(target, prompt[None], max_new_tokens=30, eos_token_id=[]).new_tokens[0]
+        assert out.new_tokens[row] == alone
+    assert 0 < out.stats.accepted < out.stats.drafted
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_greedy_equals_target_only_other_architectures(arch):
+    from tests.test_eagle3 import tiny_target
+
+    target = tiny_target(arch)
+    torch.manual_seed(1)
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny import tiny_config
+
+    draft = AutoModelForCausalLM.from_config(tiny_config(arch, CHAR_VOCAB, layers=1, special_id=None)).eval()
+    draft = fit_pard(target, pard.mark(draft, block_size=BLOCK, pard_token=MASK), steps=30)
+    prompt = torch.randint(0, CHAR_VOCAB, (1, 7), generator=torch.Generator().manual_seed(4))
+    want = target_generate(target, prompt, max_new_tokens=30, eos_token_id=[]).new_tokens
+    out = speculative_generate(target, draft, prompt, max_new_tokens=30, num_draft_tokens=BLOCK, eos_token_id=[])
+    assert out.new_tokens == want
+
+
+SV, NEW, ROWS = 4, 4, 8000
+ALPHA = 1e-4
+
+
+def _sampled_p_value(temperature: float) -> tuple[float, object]:
+    target = tiny_llama(SV, 1, layers=4, special_id=None)
+    with torch.no_grad():  # sharper target: the draft's q differs from p, and rejections happen
+        target.lm_head.weight.mul_(8.0)
+    draft = pard.mark(tiny_llama(SV, 2, layers=1, special_id=None), block_size=3, pard_token=2)
+    prompt = torch.tensor([[1, 3, 0]])
+    out = speculative_generate(
+        target, draft, prompt.expand(ROWS, -1), max_new_tokens=NEW, num_draft_tokens=3, temperature=temperature,
+        eos_token_id=[], generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    expected = model_sequence_probs(target, prompt, NEW, temperature)
+    return chi_square_p_value(out.new_tokens, expected, SV), out.stats
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampling_follows_target_distribution(temperature):
+    p_value, stats = _sampled_p_value(temperature)
+    assert 0 < stats.accepted < stats.drafted
+    assert p_value > ALPHA
+
+
+def test_sampling_negative_control_fails(monkeypatch):
+    from decode import acceptance
+
+    def accept_always(draft_tokens, q, p, generator=None):
+        batch, g = draft_tokens.shape
+        accepted = torch.full((batch,), g)
+        return accepted, torch.multinomial(p[torch.arange(batch), accepted], 1, generator=generator).squeeze(-1)
+
+    monkeypatch.setattr(acceptance, "accept_sampled", accept_always)
+    assert _sampled_p_value(1.0)[0] < ALPHA
+
+
+def test_a_block_above_the_trained_one_is_refused(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match=f"above the block of {BLOCK} tokens this PARD draft"):
+        speculative_generate(target, draft, torch.tensor([[1, 2]]), max_new_tokens=4, num_draft_tokens=BLOCK + 1)
+    with pytest.raises(ValueError, match="outside the draft's vocabulary"):
+        pard.mark(tiny_llama(CHAR_VOCAB, 0, layers=1), block_size=3, pard_token=CHAR_VOCAB)
+    with pytest.raises(ValueError, match="not in 2..16"):
+        pard.mark(tiny_llama(CHAR_VOCAB, 0, layers=1), block_size=17, pard_token=0)
+
+
+def test_the_drafter_proposes_the_trained_block_positions(pair):
+    """One round of the decoder's drafter proposes, at block position k, the argmax of the training forward's
+    block position k at the last real token, and drops the mask positions from its cache."""
+    from decode.draft_length import FixedDraftLength
+
+    _, draft = pair
+    prompt = torch.randint(0, CHAR_VOCAB, (1, 8), generator=torch.Generator().manual_seed(7))
+    drafter = pard.Drafter(draft, 1, CHAR_VOCAB, prompt, torch.ones_like(prompt, dtype=torch.bool))
+    with torch.no_grad():
+        tokens, _ = drafter.propose(FixedDraftLength(BLOCK), BLOCK, None, True, None)
+        blocks = pard.block_logits(draft, prompt, torch.ones_like(prompt, dtype=torch.bool), BLOCK)
+    assert tokens[0].tolist() == [int(blocks[k][0, -1].argmax()) for k in range(BLOCK)]
+    assert drafter.forwards == 1 and drafter.stream.slots == prompt.shape[1]
+
+
+def test_the_step_trains_each_block_position_against_the_right_target_position():
+    """A draft fitted with the kind's step accepts far more than one fitted with the teacher of every block
+    position after the first one token off, either way (the off-by-one a wrong shift in the step would make)."""
+    target, _ = tiny_pair()
+    rates = {}
+    for shift in (0, 1, -1):
+        _, draft = tiny_pair()
+        draft = fit_pard(target, draft, steps=200, shift=shift)
+        out = speculative_generate(target, draft, PROMPTS, max_new_tokens=26, num_draft_tokens=BLOCK, eos_token_id=[])
+        rates[shift] = out.stats.acceptance_rate
+    assert rates[0] > 0.6 and rates[0] > max(rates[1], rates[-1]) + 0.15, rates
