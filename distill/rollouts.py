@@ -87,6 +87,7 @@ def generate_target_rollouts(
     Returns:
         per example, the new token ids (EOS included when generated, nothing after it).
     """
+    from decode.kinds import capped_draft_length
     from decode.speculative import speculative_generate, target_generate
 
     batch = _prompt_batch(examples, pad_token_id, _device(target))
@@ -114,7 +115,7 @@ def generate_target_rollouts(
                 batch["input_ids"],
                 batch["attention_mask"],
                 max_new_tokens=max_new_tokens,
-                num_draft_tokens=num_draft_tokens,
+                num_draft_tokens=capped_draft_length(draft, num_draft_tokens),  # a block draft: at most its block
                 generator=generator,
                 **sampling,
             )

@@ -35,6 +35,7 @@ __all__ = [
     "BLOCK_KINDS",
     "KINDS",
     "Verified",
+    "capped_draft_length",
     "check_draft_length",
     "cost_stream",
     "drafter_for",
@@ -81,3 +82,13 @@ def check_draft_length(draft: nn.Module, gamma: int) -> None:
         peagle.check_draft_length(draft, gamma)
     elif kind == pard.NAME:
         pard.check_draft_length(draft, gamma)
+
+
+def capped_draft_length(draft: nn.Module, gamma: int | str) -> int | str:
+    """``gamma`` capped at a block draft's trained block (for loops whose draft length is a speed setting only,
+    as the target's rollouts); ``auto`` and chains as they are."""
+    kind = kind_of(draft)
+    if not isinstance(gamma, int) or kind not in BLOCK_KINDS:
+        return gamma
+    block = draft.block_size if kind == peagle.NAME else pard.block_of(draft)
+    return min(gamma, int(block))
