@@ -359,6 +359,42 @@ def _usage(target: str, repo_id: str, gamma: int, sample_method: str | None = No
     ]
 
 
+def pard_usage(target: str, repo_id: str, gamma: int, block: int, sample_method: str | None = None) -> list[str]:
+    """The card's usage section for a PARD draft: vLLM's draft_model with parallel drafting (at most its block);
+    no HF assisted generation or SGLang line (both would run it as a chain, never reading its mask tokens)."""
+    k = min(gamma, block)
+    spec = json.dumps({"method": "draft_model", "model": repo_id, "num_speculative_tokens": k,
+                       "parallel_drafting": True, **sample_key(sample_method)})  # fmt: skip
+    return [
+        "## Usage",
+        "",
+        f"A PARD draft drafts up to {block} tokens in one forward: after the text it reads {block - 1} mask tokens "
+        "(its config's `pard_token`) and proposes the next token and the ones after it at once. vLLM runs it with "
+        "parallel drafting; `num_speculative_tokens` must not exceed the block.",
+        "",
+        *_vllm_serve(target, spec),
+        "",
+        "```python",
+        "from vllm import LLM, SamplingParams",
+        "",
+        f'llm = LLM(model="{target}", speculative_config={spec.replace("true", "True")})',
+        "params = SamplingParams(temperature=0, max_tokens=128)",
+        'print(llm.generate(["The key idea of speculative decoding is"], params)[0].outputs[0].text)',
+        "```",
+        "",
+        "HF assisted generation (`generate(assistant_model=...)`) and SGLang have no parallel drafting: they would "
+        "run it as a chain, one forward per token, never reading the mask tokens it was trained on.",
+        "",
+        "draftsmith's own decoder (a checkout of draftsmith):",
+        "",
+        "```bash",
+        f"python -m decode bench --target {target} --draft {repo_id} --prompts PROMPTS.jsonl --num-draft-tokens {k} "
+        "--baselines target",
+        "```",
+        "",
+    ]
+
+
 def _shell(word: str) -> str:
     """A command-line word, quoted when it holds what a shell would split or redirect (a placeholder)."""
     return f"'{word}'" if any(c in word for c in " <>") else word
@@ -368,6 +404,8 @@ def _assistant_line(info: dict) -> str:
     """What the published generation_config sets for HF assisted generation, and why."""
     if is_head_card(info):
         return "none: HF assisted generation cannot run an EAGLE-3 or P-EAGLE head"
+    if info.get("draft_kind") == "pard":
+        return "not for this draft: HF assisted generation would run a PARD draft as a chain, not its block"
     chosen = info.get("generation_config") or {}
     if isinstance(chosen.get("assistant"), dict):
         return f"`{json.dumps(chosen['assistant'])}`: {chosen.get('why', '')}"
@@ -394,7 +432,7 @@ def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) 
     eagle3 = is_head_card(info)
     head = (
         f"a P-EAGLE head (a block of {info['block_size']} tokens per forward)"
-        if info.get("block_size")
+        if info.get("draft_kind") == "peagle"
         else "an EAGLE-3 head"
     )
     made = (
@@ -402,6 +440,8 @@ def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) 
         if eagle3
         else f"trained from **{info['base_model']}** with draftsmith ({info['method']})"
     )
+    if info.get("draft_kind") == "pard":
+        made = f"a PARD draft (a block of {info['block_size']} tokens per forward) {made}"
     lines = [
         f"# {repo_id.split('/')[-1]}",
         "",
@@ -416,6 +456,8 @@ def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) 
         lines += [""] + eagle3_usage(
             target, repo_id, gamma, tree, sample, info.get("verifier"), info.get("block_size")
         )
+    elif info.get("draft_kind") == "pard":
+        lines += [""] + pard_usage(target, repo_id, gamma, info["block_size"], info.get("vllm_draft_sample_method"))
     else:
         lines += [""] + _usage(target, repo_id, gamma, info.get("vllm_draft_sample_method"))
     supply = info.get("reproduce_inputs") or {}

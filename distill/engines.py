@@ -56,11 +56,14 @@ def bench_by_recipe(
 ) -> dict:
     """draftsmith's bench (decode.bench.run_bench) of loaded models with the recipe's eval settings: new tokens,
     sampling, gamma (unless `num_draft_tokens`), batch size, repeats and seed. HF assisted generation runs as a
-    baseline where the recipe asks for it, the batch is 1 and the caller allows it (`hf_assisted`)."""
+    baseline where the recipe asks for it, the batch is 1, the caller allows it (`hf_assisted`) and it can run the
+    draft's kind (a PARD draft or a head: no)."""
     from decode.bench import run_bench
+    from decode.kinds import kind_of
+    from distill import kinds
 
     ev = recipe.eval
-    hf = ev.hf_assisted and ev.batch_size == 1 and hf_assisted
+    hf = ev.hf_assisted and ev.batch_size == 1 and hf_assisted and kinds.get(kind_of(draft)).HF_ASSISTED
     return run_bench(
         target,
         draft,
@@ -125,8 +128,7 @@ def _bench_draftsmith(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype
     sits on the target (its embedding); HF assisted generation cannot run it.
     """
     from decode.draft_vocab import load_ids
-    from decode.kinds import eagle3, kind_of
-    from distill import kinds
+    from decode.kinds import eagle3
     from distill.models import load_target, load_tokenizer
 
     target = load_target(dataclasses.replace(recipe.target, dtype=dtype))
@@ -139,8 +141,7 @@ def _bench_draftsmith(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype
         )
     tokenizer = load_tokenizer(recipe.target.model, recipe.target, key="target.model")
     return bench_by_recipe(
-        target, draft, tokenizer, prompts, recipe, draft_name=str(best), progress=False,
-        hf_assisted=not head and kinds.get(kind_of(draft)).HF_ASSISTED,
+        target, draft, tokenizer, prompts, recipe, draft_name=str(best), progress=False, hf_assisted=not head,
         draft_vocab=None if head else load_ids(best),
     )  # fmt: skip
 

@@ -373,6 +373,7 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
     prompts = remeasure_prompts(src, reason, options.remeasure_prompts) if reason and options.remeasure else None
     model, base_id = load_merged_draft(src)
     check_plain_draft_config(model.config.to_dict())
+    block = int(model.config.block_size) if getattr(model.config, "pard_token", None) is not None else None
     if recipe_get(recipe, "draft.init") == "truncate":  # cut from the target: the target is what it derives from
         base_id = target
     dtype, why = publish_dtype(src.eval, declared_dtype(base_id, trust if base_id == target else draft_trust(recipe)))
@@ -435,6 +436,8 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
         log.warning("no license found for the base draft: the card states none (pass --license)")
     info = {
         "repo_id": repo_id,
+        "draft_kind": "pard" if block else "standalone",
+        "block_size": block,  # a PARD draft: the tokens it drafts in one forward (vLLM parallel_drafting)
         "target": public_name(target),
         "base_model": base_name,
         "base_model_hub_id": base_id if is_hub_id(base_id) else None,

@@ -1032,3 +1032,36 @@ def test_a_peagle_head_is_published_with_parallel_drafting_launch_lines(peagle_r
 
     readme = eagle3.readme(config, "org/tiny-target")
     assert readme.startswith("# P-EAGLE draft head") and '"parallel_drafting": true' in readme
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A PARD draft: published as a draft model that vLLM drafts in parallel
+# ---------------------------------------------------------------------------------------------------------------
+def test_a_pard_draft_is_published_with_parallel_drafting_launch_lines(run_dir, tmp_path):
+    """best/ a PARD draft (block 3): config.json keeps pard_token and block_size (what vLLM's draft_model proposer
+    reads); the card names the kind and its block, gives vLLM's draft_model line with parallel_drafting and at most
+    the block's tokens, and no HF assisted or SGLang line."""
+    from decode.kinds import pard
+    from distill.publish import build_publish_folder
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    shutil.rmtree(run / "checkpoints")
+    draft = AutoModelForCausalLM.from_pretrained(run / "best")
+    pard.mark(draft, block_size=3, pard_token=3)
+    draft.save_pretrained(run / "best")
+    ev = {**BEST, "draft_kind": "pard", "num_draft_tokens": 3, "speedup": {"vs_target": 1.5, "vs_hf_assisted": None}}
+    ev["tokens_per_s"] = {"speculative": 100.0, "target": 66.7}
+    (run / "best" / "eval.json").write_text(json.dumps(ev))
+    (run / "report.json").write_text(json.dumps({"best": ev, "best_step": 40, "checkpoints": []}))
+    out = build_publish_folder(run, tmp_path / "pub", "someone/tiny-pard")
+    config = json.loads((out / "config.json").read_text())
+    assert config["pard_token"] == 3 and config["block_size"] == 3
+    card = (out / "README.md").read_text()
+    assert "a PARD draft (a block of 3 tokens per forward)" in card
+    spec = json.dumps({"method": "draft_model", "model": "someone/tiny-pard", "num_speculative_tokens": 3,
+                       "parallel_drafting": True, "draft_sample_method": "probabilistic"})  # fmt: skip
+    assert f"--speculative-config '{spec}'" in card
+    assert "assistant_model=draft" not in card and "--speculative-algorithm STANDALONE" not in card
+    info = json.loads((out / "draftsmith_eval.json").read_text())
+    assert info["draft_kind"] == "pard" and info["block_size"] == 3

@@ -776,6 +776,72 @@ def test_peagle_head_in_vllm_drafts_its_block_in_parallel_and_matches_target_onl
     assert runs["target"]["method"] is None and head["tokens"] == runs["target"]["tokens"]
 
 
+def fitted_pard_draft(target_dir: str, draft_dir: str, out: Path, prompts: list[dict], block: int = 3) -> Path:
+    """The pair's draft made a PARD draft of ``block`` (mask token: the last id of the tokenizer) and fitted for 200
+    steps (distill.kinds.pard.block_loss, float32) to the target's greedy continuations of ``prompts``, so that
+    every block position proposes what the target writes there; saved as an HF checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decode.kinds import pard
+    from decode.prompts import encode_prompts
+    from decode.speculative import target_generate
+    from distill import data
+    from distill.kinds.pard import block_loss
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    ids = encode_prompts(tokenizer, prompts)
+    pairs = [(p, target_generate(target, torch.tensor([p]), max_new_tokens=32).new_tokens[0]) for p in ids]
+    batch = data.collate_training(pairs, 0, loss_positions="all")
+    with torch.no_grad():
+        teacher = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.manual_seed(0)
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+    pard.mark(draft, block_size=block, pard_token=VOCAB - 1)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    valid = batch["attention_mask"].bool()
+    for _ in range(200):
+        loss, _ = block_loss(draft, teacher, batch["input_ids"], valid, batch["loss_mask"], "fkl", 0.5, 1.0, 0.8)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    draft.eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_pard_draft_in_vllm_drafts_its_block_in_parallel_and_matches_target_only(vllm_ok, tmp_path, padded_pair):
+    """A fitted PARD draft (block 3) measured with ``eval.extra_engines=[vllm]``: vLLM runs it as method
+    draft_model with parallel drafting (its config's pard_token), float32 greedy output equal to vLLM target-only,
+    and it accepts, position by position, what it accepts in draftsmith's decoder on the same prompts, K and
+    dtype: vLLM reads the mask token as draftsmith trained it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decode.bench import run_bench
+    from decode.prompts import load_prompts
+    from distill.engines import measure_extra_engines
+
+    target, draft, prompt_file = padded_pair
+    best = fitted_pard_draft(target, draft, tmp_path / "best", load_prompts(prompt_file))
+    (best / "eval.json").write_text(json.dumps({"engine": "draftsmith", "dtype": "float32"}))
+    overrides = [f"target.model={target}", f"draft.model={draft}", "eval.max_new_tokens=24",
+                 "eval.num_draft_tokens=3", "eval.extra_engines=[vllm]", "eval.hf_assisted=false"]  # fmt: skip
+    assert measure_extra_engines(best, load_recipe(None, overrides), load_prompts(prompt_file))
+    result = json.loads((best / "eval_vllm.json").read_text())
+    assert result["draft_kind"] == "pard" and result["outputs_match_target"] is True, result["greedy_agreement"]
+    assert result["spec_decode_counters"]["vllm:spec_decode_num_drafts"] > 0
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    ours = run_bench(
+        model, AutoModelForCausalLM.from_pretrained(best, dtype=torch.float32).eval(),
+        AutoTokenizer.from_pretrained(target), load_prompts(prompt_file), target_name=target, draft_name=str(best),
+        max_new_tokens=24, num_draft_tokens=3, repeats=1, baselines=("target",), progress=False,
+    )  # fmt: skip
+    mine, theirs = ours["per_position_acceptance"], result["per_position_acceptance"]
+    assert min(mine) > 0.3, mine  # the fitted draft is accepted at every position: the comparison has power
+    assert len(theirs) == 3 and all(abs(a - b) <= 0.1 for a, b in zip(mine, theirs)), (mine, theirs)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Sampling in vLLM follows the target's distribution (chi-square, with a negative control)
 # ---------------------------------------------------------------------------------------------------------------
