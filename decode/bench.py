@@ -32,6 +32,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -45,16 +46,18 @@ from decode import kernels
 from decode.compat import check_context, check_vocab_compatible, logits_width, text_config, with_rows
 from decode.draft_length import AutoDraftLength, TreeShape, is_tree_spec, parse_tree
 from decode.draft_vocab import with_subset_head
-from decode.kinds import forwards_per_round, kind_of
+from decode.kinds import BLOCK_KINDS, forwards_per_round, kind_of
 from decode.metrics import (
     ForwardCostMeter,
     acceptance_metrics,
+    best_block,
     leviathan_bound,
     solve_acceptance,
     speedup_ci95,
     speedup_with_prefill,
     sync,
     theoretical_speedup,
+    verify_cost_curve,
 )
 from decode.output import SpecStats
 from decode.prompts import encode_prompts, make_batches
@@ -481,6 +484,14 @@ def run_bench(
     c, v = costs["c"], costs["v"]
     tau = spec_stats.mean_accepted_length
     theory = theoretical_speedup(tau, forwards_per_round(spec_draft, gamma), c, v)  # a block: one forward
+    curve = {k: round(x, 4) for k, x in verify_cost_curve(meter).items()}
+    block = None
+    if kind in BLOCK_KINDS:  # the block a server should run (vLLM takes a fixed K): measured acceptance x curve
+        limit = max(len(spec_stats.per_position_acceptance), 1)
+        block = best_block(spec_stats.per_position_acceptance, curve, c, limit)
+        if progress:
+            why = "per-position acceptance x verify-cost curve"
+            print(f"block size: K={block['k']} is expected fastest of 1..{limit} ({why})", file=sys.stderr)
     # The same zero-overhead figure once the prompt forwards that every method pays are counted (an average
     # batch: mean padded prompt width, mean new tokens per row); the draft's prompt forward is speculative's own.
     width = sum(ids.shape[1] for ids, _ in batches) / len(batches)
@@ -521,6 +532,8 @@ def run_bench(
         "verify_cost_ratio": v,
         "leviathan_bound": leviathan_bound(solve_acceptance(tau, gamma), gamma, c),
         "theoretical_speedup": theory,
+        "verify_cost_curve": curve,
+        "block_choice": block,
         "tokens_per_s": {
             "speculative": spec_rate,
             "target": target_rate,

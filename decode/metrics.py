@@ -152,6 +152,40 @@ class ForwardCostMeter:
         }
 
 
+CURVE_MAX = 16  # the verify-cost curve covers K = 1..16 drafted tokens (a block draft's largest block)
+
+
+def verify_cost_curve(meter: ForwardCostMeter, samples: int = 3, max_k: int = CURVE_MAX) -> dict[int, float]:
+    """The target's verify-cost curve on this machine: for K = 1..max_k drafted tokens, the median time of one
+    (K + 1)-token forward over the median 1-token forward (the meter's own samples, plus ``samples`` more of each
+    size, taken now)."""
+    for _ in range(samples):
+        meter.sample(list(range(2, max_k + 2)))
+    t1 = statistics.median(meter.samples["target"])
+    return {k: statistics.median(meter.verify[k + 1]) / t1 for k in range(1, max_k + 1)}
+
+
+def block_tokens(per_position: list[float], k: int) -> float:
+    """Expected tokens a round of K drafted tokens gives (the target's own included): 1 + sum over j <= K of the
+    chance that the first j are accepted, from the per-position (conditional) acceptance; positions past the
+    measured ones are taken at the last measured rate."""
+    if not per_position:
+        return 1.0
+    total, alive = 1.0, 1.0
+    for j in range(k):
+        alive *= per_position[min(j, len(per_position) - 1)]
+        total += alive
+    return total
+
+
+def best_block(per_position: list[float], curve: dict[int, float], c: float, max_k: int) -> dict:
+    """The block size K (1..max_k) a block draft runs fastest at, from the measured per-position acceptance and
+    the verify-cost curve: one draft forward (``c``) and one (K + 1)-token verify per round, so the expected
+    speedup over target-only is tokens(K) / (c + v(K + 1)). Returns {"k", "expected_speedup": {K: x}}."""
+    expected = {k: block_tokens(per_position, k) / (c + curve[k]) for k in range(1, max_k + 1) if k in curve}
+    return {"k": max(expected, key=expected.get), "expected_speedup": expected}
+
+
 def _interpolate(points: dict[int, float], x: float) -> float:
     """Piecewise-linear through ``points`` {x: y}; linear extrapolation from the two nearest ends."""
     xs = sorted(points)

@@ -441,3 +441,20 @@ def test_reference_pair_greedy_is_lossless():
     )  # fmt: skip
     assert result["outputs_match_target"] is True
     assert result["acceptance_rate"] > 0.2 and result["mean_accepted_length"] > 1.3
+
+
+def test_block_tokens_and_the_best_block_from_acceptance_and_verify_costs():
+    """A block of K: 1 + sum_j prod_{i<=j} a_i tokens a round for one draft forward and one (K+1)-token verify; the
+    best K follows the curve: a flat curve takes the longest block that still adds tokens, a steep one stops early."""
+    from decode.metrics import best_block, block_tokens
+
+    per_position = [0.8, 0.5, 0.5]
+    assert block_tokens(per_position, 1) == pytest.approx(1.8)
+    assert block_tokens(per_position, 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+    assert block_tokens(per_position, 4) == pytest.approx(1 + 0.8 + 0.4 + 0.2 + 0.1)  # the last rate carries on
+    assert block_tokens([], 3) == 1.0
+    flat = {k: 1.0 for k in range(1, 9)}
+    steep = {k: 1.0 + 0.5 * k for k in range(1, 9)}
+    assert best_block(per_position, flat, 0.1, 8)["k"] == 8
+    choice = best_block(per_position, steep, 0.1, 8)
+    assert choice["k"] == 1 and choice["expected_speedup"][1] == pytest.approx(1.8 / 1.6)

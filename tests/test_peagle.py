@@ -246,3 +246,9 @@ def test_the_bench_costs_a_block_at_one_draft_forward_per_round(pair):
     tau, c, v = result["mean_accepted_length"], result["draft_cost_ratio"], result["verify_cost_ratio"]
     assert result["mean_num_draft_tokens"] > 1
     assert result["theoretical_speedup"] == pytest.approx(tau / (c + v), rel=1e-3)
+    curve = result["verify_cost_curve"]  # v(K + 1) for K = 1..16, in 1-token forwards, measured on this machine
+    assert sorted(curve) == list(range(1, 17)) and all(x > 0 for x in curve.values())
+    choice = result["block_choice"]  # the block a server should run, from the acceptance and the curve
+    assert 1 <= choice["k"] <= BLOCK and choice["k"] == max(
+        choice["expected_speedup"], key=choice["expected_speedup"].get
+    )
