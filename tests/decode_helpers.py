@@ -142,3 +142,11 @@ def hf_greedy(model: nn.Module, ids: torch.Tensor, max_new_tokens: int) -> list[
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None
     )
     return out[0, ids.shape[1] :].tolist()
+
+
+def accept_always(draft_tokens: torch.Tensor, q, p: torch.Tensor, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A wrong ``decode.acceptance.accept_sampled`` for negative controls: take every draft token, then a bonus
+    token from the target."""
+    batch, g = draft_tokens.shape
+    accepted = torch.full((batch,), g)
+    return accepted, torch.multinomial(p[torch.arange(batch), accepted], 1, generator=generator).squeeze(-1)

@@ -10,7 +10,7 @@ import decode.acceptance as acceptance
 from decode.acceptance import accept_greedy, accept_sampled
 from decode.sampling import process_logits
 from decode.speculative import speculative_generate, target_generate
-from tests.decode_helpers import bigram_lm, bigram_sequence_probs, chi_square_p_value
+from tests.decode_helpers import accept_always, bigram_lm, bigram_sequence_probs, chi_square_p_value
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -115,20 +115,12 @@ def test_target_only_sampling_follows_target_distribution():
     assert chi_square_p_value(out.new_tokens, expected, V) > ALPHA
 
 
-def _accept_always(draft_tokens, q, p, generator=None):
-    """Wrong: take every draft token, then a bonus token from the target."""
-    batch, g = draft_tokens.shape
-    rows = torch.arange(batch)
-    accepted = torch.full((batch,), g)
-    return accepted, torch.multinomial(p[rows, accepted], 1, generator=generator).squeeze(-1)
-
-
 @pytest.mark.parametrize(
     "attr,wrong",
     [
         ("residual_distribution", lambda p, q: p),  # resample from p instead of norm(max(0, p - q))
         ("residual_distribution", lambda p, q: q.clamp_min(0) + (q.sum(-1, keepdim=True) == 0) * p),  # from q
-        ("accept_sampled", _accept_always),
+        ("accept_sampled", accept_always),
     ],
     ids=["resample-from-p", "resample-from-q", "accept-always"],
 )

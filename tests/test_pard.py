@@ -152,11 +152,7 @@ def test_sampling_follows_target_distribution(temperature):
 
 def test_sampling_negative_control_fails(monkeypatch):
     from decode import acceptance
-
-    def accept_always(draft_tokens, q, p, generator=None):
-        batch, g = draft_tokens.shape
-        accepted = torch.full((batch,), g)
-        return accepted, torch.multinomial(p[torch.arange(batch), accepted], 1, generator=generator).squeeze(-1)
+    from tests.decode_helpers import accept_always
 
     monkeypatch.setattr(acceptance, "accept_sampled", accept_always)
     assert _sampled_p_value(1.0)[0] < ALPHA

@@ -685,6 +685,44 @@ def test_hf_assisted_on_an_eagle3_head_is_one_error_line(tmp_path, padded_pair):
     assert not (tmp_path / "o.json").exists()
 
 
+def served_as_trained(target: str, draft: str, best: Path, prompt_file: str, kind: str, floor: float) -> dict:
+    """``best`` measured with ``eval.extra_engines=[vllm]`` (3 draft tokens, float32 greedy): vLLM runs it as
+    ``kind``, drafts, and its output equals vLLM target-only; and it accepts, position by position, within 0.1 of
+    what draftsmith's decoder accepts on the same prompts (each position above ``floor``: the comparison has
+    power). Returns vLLM's bench JSON."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decode.bench import run_bench
+    from decode.kinds import eagle3
+    from decode.prompts import load_prompts
+    from distill.engines import measure_extra_engines
+
+    (best / "eval.json").write_text(json.dumps({"engine": "draftsmith", "dtype": "float32"}))
+    overrides = [f"target.model={target}", f"draft.model={draft}", "eval.max_new_tokens=24",
+                 "eval.num_draft_tokens=3", "eval.extra_engines=[vllm]"]  # fmt: skip
+    prompts = load_prompts(prompt_file)
+    assert measure_extra_engines(best, load_recipe(None, overrides), prompts) == [best / "eval_vllm.json"]
+    result = json.loads((best / "eval_vllm.json").read_text())
+    assert CONTRACT_KEYS <= set(result) and result["engine"] == "vllm" and result["draft_kind"] == kind
+    assert result["outputs_match_target"] is True, result["greedy_agreement"]
+    assert result["greedy_agreement"]["rows"] == len(prompts) and result["dtype"] == "float32"
+    assert result["spec_decode_counters"]["vllm:spec_decode_num_drafts"] > 0
+    assert result["mean_num_draft_tokens"] == 3.0
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    if eagle3.is_eagle3(best):
+        loaded = eagle3.load(best, model)
+    else:
+        loaded = AutoModelForCausalLM.from_pretrained(best, dtype=torch.float32).eval()
+    ours = run_bench(
+        model, loaded, AutoTokenizer.from_pretrained(target), prompts, target_name=target, draft_name=str(best),
+        max_new_tokens=24, num_draft_tokens=3, repeats=1, baselines=("target",), progress=False,
+    )  # fmt: skip
+    mine, theirs = ours["per_position_acceptance"], result["per_position_acceptance"]
+    assert min(mine) > floor, mine
+    assert len(theirs) == 3 and all(abs(a - b) <= 0.1 for a, b in zip(mine, theirs)), (mine, theirs)
+    return result
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("every", [2, 1])
 def test_eagle3_head_in_vllm_matches_target_only(vllm_ok, tmp_path, padded_pair, every):
@@ -693,35 +731,11 @@ def test_eagle3_head_in_vllm_matches_target_only(vllm_ok, tmp_path, padded_pair,
     also for a head over the whole vocabulary (no d2t). A fitted head accepts in vLLM, position by position, what
     it accepts in draftsmith's decoder on the same prompts, gamma and dtype: vLLM reads the served head as
     draftsmith trained it (aux layers, norms, the pre-norm state it feeds back)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from decode.bench import run_bench
-    from decode.kinds import eagle3
     from decode.prompts import load_prompts
-    from distill.engines import measure_extra_engines
 
     target, draft, prompt_file = padded_pair
     best = fitted_eagle3_head(target, tmp_path / "best", load_prompts(prompt_file), every=every)
-    (best / "eval.json").write_text(json.dumps({"engine": "draftsmith", "dtype": "float32"}))
-    overrides = [f"target.model={target}", f"draft.model={draft}", "eval.max_new_tokens=24",
-                 "eval.num_draft_tokens=3", "eval.extra_engines=[vllm]"]  # fmt: skip
-    recipe = load_recipe(None, overrides)
-    assert measure_extra_engines(best, recipe, load_prompts(prompt_file)) == [best / "eval_vllm.json"]
-    result = json.loads((best / "eval_vllm.json").read_text())
-    assert CONTRACT_KEYS <= set(result) and result["engine"] == "vllm" and result["draft_kind"] == "eagle3"
-    assert result["outputs_match_target"] is True, result["greedy_agreement"]
-    assert result["greedy_agreement"]["rows"] == 4 and result["dtype"] == "float32"
-    counters = result["spec_decode_counters"]
-    assert counters["vllm:spec_decode_num_drafts"] > 0 and result["mean_num_draft_tokens"] == 3.0
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    ours = run_bench(
-        model, eagle3.load(best, model), AutoTokenizer.from_pretrained(target), load_prompts(prompt_file),
-        target_name=target, draft_name=str(best), max_new_tokens=24, num_draft_tokens=3, repeats=1,
-        baselines=("target",), progress=False,
-    )  # fmt: skip
-    mine, theirs = ours["per_position_acceptance"], result["per_position_acceptance"]
-    assert min(mine) > 0.5, mine  # the fitted head is accepted: the comparison has power
-    assert len(theirs) == 3 and all(abs(a - b) <= 0.1 for a, b in zip(mine, theirs)), (mine, theirs)
+    served_as_trained(target, draft, best, prompt_file, "eagle3", floor=0.5)
 
 
 @pytest.mark.slow
@@ -734,33 +748,15 @@ def test_peagle_head_in_vllm_drafts_its_block_in_parallel_and_matches_target_onl
     with no speculative flags serves it the same way."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from decode.bench import run_bench
     from decode.kinds import eagle3
     from decode.prompts import load_prompts
-    from distill.engines import measure_extra_engines
 
     target, draft, prompt_file = padded_pair
     best = fitted_eagle3_head(
         target, tmp_path / "best", load_prompts(prompt_file), every=2, steps=400, block=3, lr=3e-3
     )
-    (best / "eval.json").write_text(json.dumps({"engine": "draftsmith", "dtype": "float32"}))
-    overrides = [f"target.model={target}", f"draft.model={draft}", "eval.max_new_tokens=24",
-                 "eval.num_draft_tokens=3", "eval.extra_engines=[vllm]"]  # fmt: skip
-    assert measure_extra_engines(best, load_recipe(None, overrides), load_prompts(prompt_file))
-    result = json.loads((best / "eval_vllm.json").read_text())
-    assert result["draft_kind"] == "peagle" and result["outputs_match_target"] is True, result["greedy_agreement"]
-    counters = result["spec_decode_counters"]
-    assert counters["vllm:spec_decode_num_drafts"] > 0 and result["mean_num_draft_tokens"] == 3.0
+    served_as_trained(target, draft, best, prompt_file, "peagle", floor=0.3)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    ours = run_bench(
-        model, eagle3.load(best, model), AutoTokenizer.from_pretrained(target), load_prompts(prompt_file),
-        target_name=target, draft_name=str(best), max_new_tokens=24, num_draft_tokens=3, repeats=1,
-        baselines=("target",), progress=False,
-    )  # fmt: skip
-    mine, theirs = ours["per_position_acceptance"], result["per_position_acceptance"]
-    assert min(mine) > 0.3, mine  # the fitted head is accepted at every position: the comparison has power
-    assert len(theirs) == 3 and all(abs(a - b) <= 0.1 for a, b in zip(mine, theirs)), (mine, theirs)
-
     named = eagle3.save(eagle3.load(best, model), tmp_path / "named", verifier=target, speculative_tokens=3)
     tok = AutoTokenizer.from_pretrained(target)
     prompts = [tok(json.loads(line)["prompt"])["input_ids"] for line in Path(prompt_file).read_text().splitlines()]
@@ -816,30 +812,11 @@ def test_pard_draft_in_vllm_drafts_its_block_in_parallel_and_matches_target_only
     draft_model with parallel drafting (its config's pard_token), float32 greedy output equal to vLLM target-only,
     and it accepts, position by position, what it accepts in draftsmith's decoder on the same prompts, K and
     dtype: vLLM reads the mask token as draftsmith trained it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from decode.bench import run_bench
     from decode.prompts import load_prompts
-    from distill.engines import measure_extra_engines
 
     target, draft, prompt_file = padded_pair
     best = fitted_pard_draft(target, draft, tmp_path / "best", load_prompts(prompt_file))
-    (best / "eval.json").write_text(json.dumps({"engine": "draftsmith", "dtype": "float32"}))
-    overrides = [f"target.model={target}", f"draft.model={draft}", "eval.max_new_tokens=24",
-                 "eval.num_draft_tokens=3", "eval.extra_engines=[vllm]", "eval.hf_assisted=false"]  # fmt: skip
-    assert measure_extra_engines(best, load_recipe(None, overrides), load_prompts(prompt_file))
-    result = json.loads((best / "eval_vllm.json").read_text())
-    assert result["draft_kind"] == "pard" and result["outputs_match_target"] is True, result["greedy_agreement"]
-    assert result["spec_decode_counters"]["vllm:spec_decode_num_drafts"] > 0
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    ours = run_bench(
-        model, AutoModelForCausalLM.from_pretrained(best, dtype=torch.float32).eval(),
-        AutoTokenizer.from_pretrained(target), load_prompts(prompt_file), target_name=target, draft_name=str(best),
-        max_new_tokens=24, num_draft_tokens=3, repeats=1, baselines=("target",), progress=False,
-    )  # fmt: skip
-    mine, theirs = ours["per_position_acceptance"], result["per_position_acceptance"]
-    assert min(mine) > 0.3, mine  # the fitted draft is accepted at every position: the comparison has power
-    assert len(theirs) == 3 and all(abs(a - b) <= 0.1 for a, b in zip(mine, theirs)), (mine, theirs)
+    served_as_trained(target, draft, best, prompt_file, "pard", floor=0.3)
 
 
 # ---------------------------------------------------------------------------------------------------------------
