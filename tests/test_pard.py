@@ -194,3 +194,35 @@ def test_the_step_trains_each_block_position_against_the_right_target_position()
         out = speculative_generate(target, draft, PROMPTS, max_new_tokens=26, num_draft_tokens=BLOCK, eos_token_id=[])
         rates[shift] = out.stats.acceptance_rate
     assert rates[0] > 0.6 and rates[0] > max(rates[1], rates[-1]) + 0.15, rates
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("distill.cache_teacher=true", "distill.cache_teacher"),
+        ("distill.top_k=16", "distill.top_k"),
+        ("draft.vocab_subset=64", "draft.vocab_subset"),
+        ("eval.num_draft_tokens=5", "eval.num_draft_tokens"),
+    ],
+)
+def test_a_pard_recipe_refuses_what_its_step_does_not_run_in_one_line(override, key):
+    from distill.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=key) as info:
+        load_recipe(None, ["draft.kind=pard", "draft.block_size=4", override])
+    assert "\n" not in str(info.value)
+    assert load_recipe(None, ["draft.kind=pard", "draft.block_size=4", "eval.num_draft_tokens=auto"])
+
+
+def test_hf_assisted_on_a_pard_folder_is_one_error_line(tmp_path):
+    """``decode bench --baselines target,hf`` on a PARD draft folder: one line naming the fix, before any weights
+    load; the default baselines leave HF assisted generation out."""
+    from decode.__main__ import HF_CANNOT_RUN_PARD, default_baselines
+
+    _, draft = tiny_pair()
+    draft.save_pretrained(tmp_path / "draft")
+    assert pard.is_pard_folder(tmp_path / "draft") and not pard.is_pard_folder(tmp_path)
+    assert default_baselines(None, False, pard=True) == ("target",)
+    with pytest.raises(ValueError, match="use --baselines target") as info:
+        default_baselines(("target", "hf"), False, pard=True)
+    assert str(info.value) == HF_CANNOT_RUN_PARD
