@@ -70,6 +70,7 @@ def acceptance_metrics(stats: SpecStats) -> dict:
         "acceptance_rate": stats.acceptance_rate,
         "mean_accepted_length": stats.mean_accepted_length,
         "per_position_acceptance": stats.per_position_acceptance,
+        "per_position_judged": list(stats.per_position_drafted),  # how many drafts reached each position
         "mean_num_draft_tokens": stats.mean_num_draft_tokens,
     }
 

@@ -150,6 +150,7 @@ def acceptance_from_counters(counters: dict) -> dict:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,
         "per_position_acceptance": [a / j if j else 0.0 for a, j in zip(per_pos, judged)],
+        "per_position_judged": [int(j) for j in judged[: len(per_pos)]],
         "mean_num_draft_tokens": drafted / drafts if drafts else 0.0,
     }
 

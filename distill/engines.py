@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -157,9 +158,54 @@ def _bench_vllm(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype: str)
         )
 
 
+Z_NOISE = 3.0  # two-proportion z beyond which two engines' acceptance at a position differs
+KERNEL_TOLERANCE = 0.03  # engines run the same weights with their own kernels: bf16 rounding moves a few drafts
+
+
+def acceptance_gaps(ours: dict, theirs: dict) -> list[dict]:
+    """The draft positions where two bench JSONs' acceptance differs beyond noise: by more than
+    :data:`KERNEL_TOLERANCE` plus :data:`Z_NOISE` standard errors of the difference of two proportions (from each
+    engine's ``per_position_judged`` counts). A served draft that is not the trained one (wrong aux layers, a
+    misread mask token) shows here. [] when they agree or either lacks the counts."""
+    gaps = []
+    rows = zip(
+        ours.get("per_position_acceptance") or [],
+        ours.get("per_position_judged") or [],
+        theirs.get("per_position_acceptance") or [],
+        theirs.get("per_position_judged") or [],
+    )
+    for i, (p1, n1, p2, n2) in enumerate(rows):
+        if not n1 or not n2:
+            continue
+        pooled = (p1 * n1 + p2 * n2) / (n1 + n2)
+        se = math.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / n1 + 1 / n2))
+        if abs(p1 - p2) > KERNEL_TOLERANCE + Z_NOISE * se:
+            gaps.append({"position": i + 1, "ours": p1, "theirs": p2, "judged": [n1, n2], "z": (p1 - p2) / se})
+    return gaps
+
+
+def record_served_acceptance(run_dir: Path, engine: str, measured_by: str, gaps: list[dict]) -> None:
+    """Warn when ``engine`` accepts the best draft differently from ``measured_by`` beyond noise, and record the
+    comparison in report.json's ``served_acceptance`` (the report is rewritten atomically)."""
+    if gaps:
+        where = ", ".join(f"position {g['position']}: {g['theirs']:.3f} vs {g['ours']:.3f}" for g in gaps)
+        print(
+            f"warning: {engine} accepts the best draft differently from {measured_by} beyond noise ({where}): the "
+            "draft it serves may not be the one trained (its format, aux layers or mask token); see report.json"
+        )
+    report_path = run_dir / "report.json"
+    if not report_path.is_file():
+        return
+    report = json.loads(report_path.read_text())
+    served = report.setdefault("served_acceptance", {})
+    served[engine] = {"measured_by": measured_by, "differs": bool(gaps), "gaps": gaps}
+    write_json_atomic(report_path, report)
+
+
 def measure_extra_engines(best: Path, recipe: Recipe, prompts: Sequence[dict]) -> list[Path]:
     """``best/eval_<engine>.json`` for every engine of ``eval.extra_engines`` other than ``eval.engine``
-    (whose figures are ``best/eval.json``), measured on the same prompts and settings. Returns the files."""
+    (whose figures are ``best/eval.json``), measured on the same prompts and settings, each engine's per-position
+    acceptance compared with ``eval.engine``'s (:func:`record_served_acceptance`). Returns the files."""
     benches = {"draftsmith": _bench_draftsmith, "vllm": _bench_vllm}
     written = []
     engines = [e for e in dict.fromkeys(recipe.eval.extra_engines) if e != recipe.eval.engine]
@@ -173,4 +219,5 @@ def measure_extra_engines(best: Path, recipe: Recipe, prompts: Sequence[dict]) -
         out = best / f"eval_{engine}.json"
         write_json_atomic(out, result)  # never a half-written eval file
         written.append(out)
+        record_served_acceptance(best.parent, engine, recipe.eval.engine, acceptance_gaps(measured, result))
     return written

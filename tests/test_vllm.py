@@ -113,6 +113,32 @@ def test_expand_batch_to_tokens_spreads_each_request_over_its_draft_positions():
     assert expand_batch_to_tokens(torch.tensor([5, 0, 2]), cu, 5).tolist() == [5, 5, 2, 2, 2]
 
 
+def test_served_acceptance_is_compared_position_by_position_beyond_noise(tmp_path, capsys):
+    """Two engines' per-position acceptance differs when the gap exceeds the kernels' tolerance plus 3 standard
+    errors of the counts: a served draft that reads the wrong layers accepts far less and is warned about and
+    recorded in report.json; the same draft in two engines (a 0.02 gap on 400 drafts) is not."""
+    from distill.engines import acceptance_gaps, record_served_acceptance
+
+    ours = {"per_position_acceptance": [0.8, 0.6, 0.5], "per_position_judged": [400, 320, 190]}
+    same = {"per_position_acceptance": [0.78, 0.61, 0.47], "per_position_judged": [400, 312, 190]}
+    wrong = {"per_position_acceptance": [0.5, 0.62, 0.5], "per_position_judged": [400, 200, 124]}
+    assert acceptance_gaps(ours, same) == []
+    gaps = acceptance_gaps(ours, wrong)
+    assert [g["position"] for g in gaps] == [1] and gaps[0]["z"] > 3
+    assert acceptance_gaps(ours, {"per_position_acceptance": [0.1, 0.1, 0.1]}) == []  # no counts: no verdict
+    small = {"per_position_acceptance": [0.6, 0.6, 0.5], "per_position_judged": [10, 6, 4]}
+    assert acceptance_gaps(ours, small) == []  # 10 drafts: a 0.2 gap is noise
+
+    (tmp_path / "report.json").write_text(json.dumps({"best_step": 3}))
+    record_served_acceptance(tmp_path, "vllm", "draftsmith", gaps)
+    assert "warning: vllm accepts the best draft differently from draftsmith" in capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["best_step"] == 3 and report["served_acceptance"]["vllm"]["differs"] is True
+    record_served_acceptance(tmp_path, "vllm", "draftsmith", [])
+    assert json.loads((tmp_path / "report.json").read_text())["served_acceptance"]["vllm"]["differs"] is False
+    assert capsys.readouterr().out == ""
+
+
 def test_counter_delta_counts_only_between_snapshots():
     before = {"vllm:spec_decode_num_drafts": 3, "vllm:spec_decode_num_draft_tokens": 12, PER_POS: [2, 1]}
     after = {
@@ -695,7 +721,7 @@ def served_as_trained(target: str, draft: str, best: Path, prompt_file: str, kin
     from decode.bench import run_bench
     from decode.kinds import eagle3
     from decode.prompts import load_prompts
-    from distill.engines import measure_extra_engines
+    from distill.engines import acceptance_gaps, measure_extra_engines
 
     (best / "eval.json").write_text(json.dumps({"engine": "draftsmith", "dtype": "float32"}))
     overrides = [f"target.model={target}", f"draft.model={draft}", "eval.max_new_tokens=24",
@@ -720,6 +746,7 @@ def served_as_trained(target: str, draft: str, best: Path, prompt_file: str, kin
     mine, theirs = ours["per_position_acceptance"], result["per_position_acceptance"]
     assert min(mine) > floor, mine
     assert len(theirs) == 3 and all(abs(a - b) <= 0.1 for a, b in zip(mine, theirs)), (mine, theirs)
+    assert acceptance_gaps(ours, result) == []  # what an in-run evaluation would warn about
     return result
 
 
