@@ -188,7 +188,9 @@ def draft_block(draft: str | Path) -> int | None:
     if not isinstance(raw, dict):
         return None
     if raw.get("pard_token") is not None:  # a PARD draft (vLLM reads pard_token; block_size is draftsmith's)
-        return int(raw.get("block_size") or 0) or None
+        from decode.kinds.pard import MAX_BLOCK
+
+        return int(raw.get("block_size") or MAX_BLOCK)  # trained elsewhere, no block_size: the user's K decides
     return block_of(raw)
 
 

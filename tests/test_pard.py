@@ -226,3 +226,21 @@ def test_hf_assisted_on_a_pard_folder_is_one_error_line(tmp_path):
     with pytest.raises(ValueError, match="use --baselines target") as info:
         default_baselines(("target", "hf"), False, pard=True)
     assert str(info.value) == HF_CANNOT_RUN_PARD
+
+
+def test_a_pard_draft_trained_elsewhere_has_no_block_limit_but_16(tmp_path):
+    """A config with pard_token and no block_size (a PARD draft from elsewhere): decoded and served as a block
+    draft, up to 16 tokens."""
+    from decode.vllm_engine import draft_block, draft_kind
+
+    target, draft = tiny_pair()
+    del draft.config.block_size
+    assert kind_of(draft) == "pard" and pard.block_of(draft) == pard.MAX_BLOCK
+    draft.save_pretrained(tmp_path)
+    assert draft_block(tmp_path) == pard.MAX_BLOCK and draft_kind(tmp_path) == "pard"
+    prompt = PROMPTS[:1]
+    want = target_generate(target, prompt, max_new_tokens=12, eos_token_id=[]).new_tokens
+    assert (
+        speculative_generate(target, draft, prompt, max_new_tokens=12, num_draft_tokens=6, eos_token_id=[]).new_tokens
+        == want
+    )

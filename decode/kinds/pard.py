@@ -70,7 +70,9 @@ def mark(draft: nn.Module, *, block_size: int, pard_token: int) -> nn.Module:
 
 
 def block_of(draft: nn.Module) -> int:
-    return int(draft.config.block_size)
+    """The block the draft was trained for; a PARD draft trained elsewhere (``pard_token`` but no ``block_size``
+    in its config, as the PARD paper's published drafts): up to MAX_BLOCK, the user's K decides."""
+    return int(getattr(draft.config, "block_size", None) or MAX_BLOCK)
 
 
 def block_inputs(
