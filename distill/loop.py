@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 from distill import distributed, interrupt
 from distill.checkpoints import as_disk_error, newest_checkpoint, write_json_atomic
 from distill.config import Recipe
+from distill.hub import first_line
 from distill.kinds import StepLoss
 from distill.run_state import RunState
 from distill.training import (
@@ -33,6 +35,12 @@ from distill.training import (
     read_samples,
     summary_table,
 )
+
+EVAL_ERROR = "eval_error.txt"  # in the run directory: the traceback of an evaluation that failed
+
+
+class EvaluationFailed(RuntimeError):
+    """An evaluation raised; the checkpoint was saved with its training state (resume-only)."""
 
 
 class NonFiniteLoss(RuntimeError):
@@ -59,7 +67,7 @@ def evaluate_and_save(ctx: CheckpointContext, step: int, loss: float | None, tra
     """The checkpoint of `step` (`train_s` training seconds in): evaluated on the main process, then saved by every
     process."""
     acc = ctx.accelerator
-    result = None
+    result, failed = None, None
     # all ranks join the gather of a sharded draft; the others then wait (train.dist_timeout_minutes)
     full = distributed.full_draft(ctx.draft, acc.unwrap_model(ctx.draft), acc.is_main_process, acc.device)
     if full is not None:
@@ -69,14 +77,25 @@ def evaluate_and_save(ctx: CheckpointContext, step: int, loss: float | None, tra
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         with ctx.state.clock.evaluating():
-            result = interrupt.evaluation(ctx.state, loss, lambda: evaluate_checkpoint(
-                full, ctx.target, ctx.tokenizer, ctx.eval_rows, ctx.recipe, tmp / "samples.jsonl",
-                draft_vocab=ctx.draft_vocab,
-            ))  # fmt: skip
+            try:
+                result = interrupt.evaluation(ctx.state, loss, lambda: evaluate_checkpoint(
+                    full, ctx.target, ctx.tokenizer, ctx.eval_rows, ctx.recipe, tmp / "samples.jsonl",
+                    draft_vocab=ctx.draft_vocab,
+                ))  # fmt: skip
+            except Exception as err:  # noqa: BLE001 - whatever broke the evaluation, the training is kept
+                failed = err
+                ctx.state.pending_eval = {"loss": loss}  # saved as resume-only; --resume evaluates it first
+                (ctx.state.out / EVAL_ERROR).write_text(traceback.format_exc())
         if result is not None:  # None: an interrupt cut it short, and the checkpoint keeps the training state alone
             result.update(train_loss=loss, step=step, train_minutes=train_s / 60.0)
             log_evaluation(ctx.metrics, result, ctx.eval_rows, step, tmp)
     save_checkpoint(acc, ctx.state, full, ctx.tokenizer, step, result)
+    if acc.is_main_process and failed is not None:
+        raise EvaluationFailed(
+            f"the evaluation of step {step} failed ({type(failed).__name__}: {first_line(failed)}; traceback in "
+            f"{ctx.state.out / EVAL_ERROR}); the training state of step {step} is saved: fix the cause and rerun "
+            "with --resume, which evaluates it first"
+        ) from failed
 
 
 def evaluate_checkpoint(

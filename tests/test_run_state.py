@@ -906,3 +906,43 @@ def test_sigterm_stops_the_pretraining_child(tmp_path):
         for pid in (parent.pid, child):
             if pid is not None and running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_an_evaluation_that_fails_keeps_the_training_and_resume_evaluates_it(tmp_path, monkeypatch, capsys):
+    """The one evaluation (eval.at_start false, at the last step) raises: the run stops with one error line naming
+    the step, the traceback file and --resume; the step's training state is saved (resume-only, pending
+    evaluation), and --resume evaluates step 4 and finishes without training again."""
+    from distill import loop
+
+    paths = tiny_run_paths(tmp_path / "assets")
+    recipe = tiny_recipe(paths, tmp_path / "run", {"max_new_tokens": 8}, {"max_steps": 4, "batch_size": 2},
+                         eval={"at_start": False})  # fmt: skip
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "run"
+    real = loop.evaluate_checkpoint
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the bench broke\nsecond line")
+
+    monkeypatch.setattr(loop, "evaluate_checkpoint", broken)
+    with pytest.raises(SystemExit) as code:
+        load_script("train/distill.py").main(["--recipe", str(path)])
+    assert code.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: the evaluation of step 4 failed (RuntimeError: the bench broke; traceback in "
+        f"{out / 'eval_error.txt'}); the training state of step 4 is saved: fix the cause and rerun with --resume, "
+        "which evaluates it first"
+    ]
+    assert "RuntimeError: the bench broke" in (out / "eval_error.txt").read_text()
+    checkpoint = out / "checkpoints" / "step-4"
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["state", "trainer_state.json"]
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["pending_eval"] is not None
+
+    monkeypatch.setattr(loop, "evaluate_checkpoint", real)
+    load_script("train/distill.py").main(["--recipe", str(path), "--resume"])
+    report = json.loads((out / "report.json").read_text())
+    assert report["best_step"] == 4 and [c["step"] for c in report["checkpoints"]] == [4]
+    assert [r["step"] for r in metric_rows(out, "train/loss")] == [1, 2, 3, 4]

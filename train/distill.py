@@ -46,6 +46,7 @@ from distill.config import Recipe, RecipeError, dump_recipe, load_recipe, save_r
 from distill.engines import measure_extra_engines  # noqa: E402
 from distill.loop import (  # noqa: E402
     CheckpointContext,
+    EvaluationFailed,
     NonFiniteLoss,
     StepTally,
     check_finite,
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None, on_step: Callable[[StepReport], None] | 
         run(recipe, args, on_step=on_step)
     except KeyboardInterrupt as err:
         fail(interrupt.stopped(err))
-    except (RecipeError, ValueError, FileNotFoundError, DiskFullError, NonFiniteLoss) as err:
+    except (RecipeError, ValueError, FileNotFoundError, DiskFullError, NonFiniteLoss, EvaluationFailed) as err:
         fail(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
 
 
