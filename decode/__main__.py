@@ -170,6 +170,19 @@ def default_baselines(requested: tuple[str, ...] | None, eagle3_head: bool, pard
     return requested
 
 
+def check_block_length(draft: str, num_draft_tokens: int | str) -> None:
+    """A fixed ``--num-draft-tokens`` above the block a block draft's folder says it was trained for: one
+    ValueError line, before any weights load."""
+    from decode.vllm_engine import draft_block
+
+    block = draft_block(draft)
+    if block is not None and str(num_draft_tokens).isdigit() and int(num_draft_tokens) > block:
+        raise ValueError(
+            f"--num-draft-tokens {num_draft_tokens} is above the block of {block} tokens the block draft {draft} was "
+            f"trained for: use --num-draft-tokens <= {block} or auto"
+        )
+
+
 def check_inputs(args: argparse.Namespace) -> tuple[Any, Any, list[dict]]:
     """The two tokenizers and the prompts, checked before any weights load: both models loadable (a GGUF file's
     architecture too), their vocabularies compatible by their configs, chat prompts only with a chat template.
@@ -248,6 +261,7 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
 
         check_tree("eagle3" if head else ("pard" if block_lm else "standalone"), args.batch_size, args.temperature)
     baselines = default_baselines(args.baselines, head, block_lm)
+    check_block_length(args.draft, args.num_draft_tokens)
     target_tok, draft_tok, prompts = check_inputs(args)
     if head and args.draft_vocab not in ("auto", "full"):
         raise ValueError("an EAGLE-3 head drafts from the draft vocabulary it was trained with: drop --draft-vocab")

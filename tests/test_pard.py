@@ -244,3 +244,24 @@ def test_a_pard_draft_trained_elsewhere_has_no_block_limit_but_16(tmp_path):
         speculative_generate(target, draft, prompt, max_new_tokens=12, num_draft_tokens=6, eos_token_id=[]).new_tokens
         == want
     )
+
+
+def test_bench_refuses_a_block_above_the_folders_before_loading(tmp_path):
+    """``python -m decode bench --num-draft-tokens 5`` on a PARD folder of block 4: one error line, exit 2, no
+    JSON written."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, draft = tiny_pair()
+    draft.save_pretrained(tmp_path / "draft")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+    repo = Path(__file__).resolve().parent.parent
+    args = ["--target", str(tmp_path / "draft"), "--draft", str(tmp_path / "draft"), "--prompts",
+            str(tmp_path / "p.jsonl"), "--num-draft-tokens", "5", "--json", str(tmp_path / "o.json")]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "decode", "bench", *args], capture_output=True, text=True, cwd=repo,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and lines[-1].startswith("error: --num-draft-tokens 5 is above the block of 4"), lines
+    assert not (tmp_path / "o.json").exists()
