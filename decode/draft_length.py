@@ -13,6 +13,10 @@
 
 Rate maximisation (a renewal-reward argument) says: draft on iff some longer draft has expected extra tokens
 > current tokens-per-second x its extra seconds. The decoder stays lossless whatever this decides.
+
+A block draft (``block=True``: P-EAGLE, PARD) has drafted its whole block in one forward before the first token is
+judged, so a longer draft costs no draft time, only the growth of the verify pass: the block is cut where the
+measured verify-time table says a further token costs more than its expected gain.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ class AutoDraftLength:
         max_gamma: hard cap on tokens per draft.
         draft_cost_ratio: c, draft forward / target forward, used until the loop has timed its own forwards.
         prior_strength: pseudo-counts per confidence bucket of the calibration prior.
+        block: the draft proposes its whole block in one forward (speculative_generate sets it from the draft's
+            kind): a further token then costs only its share of the verify pass.
     """
 
     needs_confidence = True
@@ -67,10 +73,17 @@ class AutoDraftLength:
     PRIOR_VERIFY_SLOPE = 0.1
     PRIOR_RATE = 1.3  # tokens per unit
 
-    def __init__(self, max_gamma: int = 12, draft_cost_ratio: float | None = None, prior_strength: float = 3.0):
+    def __init__(
+        self,
+        max_gamma: int = 12,
+        draft_cost_ratio: float | None = None,
+        prior_strength: float = 3.0,
+        block: bool = False,
+    ):
         if max_gamma < 1:
             raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
         self.max_gamma = max_gamma
+        self.block = block
         self.c = draft_cost_ratio if draft_cost_ratio is not None else 0.15
         # Plain Python floats: this runs once per draft token, and a handful of rows is faster without tensors.
         centers = [(lo + hi) / 2 for lo, hi in zip(self.EDGES, [*self.EDGES[1:], 1.0])]
@@ -145,9 +158,10 @@ class AutoDraftLength:
         k = len(self._round_buckets[0])
         survival = sum(self._survival) / len(self._survival)
         gain = 0.0
+        per_token = 0.0 if self.block else self._draft  # a block's further tokens are drafted already
         for longer in range(k + 1, self._cap + 1):
             gain += survival * self._mean_accept ** (longer - k)
-            cost = (longer - k) * self._draft + self._verify[longer] - self._verify[k]
+            cost = (longer - k) * per_token + self._verify[longer] - self._verify[k]
             if gain > self._rate * cost:
                 return True
         return False

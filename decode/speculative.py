@@ -32,7 +32,7 @@ from torch import nn
 from decode import acceptance, tree
 from decode.compat import check_context, logits_width
 from decode.draft_length import AutoDraftLength, FixedDraftLength, TreeShape, is_tree_spec, parse_tree
-from decode.kinds import Verified, check_draft_length, drafter_for
+from decode.kinds import BLOCK_KINDS, Verified, check_draft_length, drafter_for, kind_of
 from decode.kinds.standalone import all_real
 from decode.kv_stream import KVStream, decoding
 from decode.output import Emitter, SpecOutput, SpecStats, eos_ids, pack
@@ -118,6 +118,8 @@ def speculative_generate(
     controller = _draft_length(num_draft_tokens, draft_cost_ratio)
     if isinstance(controller, FixedDraftLength):
         check_draft_length(draft, controller.max_gamma)  # a block draft: not above its trained block
+    elif isinstance(controller, AutoDraftLength):
+        controller.block = kind_of(draft) in BLOCK_KINDS  # its further tokens cost only verify time
     batch = input_ids.shape[0]
     if isinstance(controller, TreeShape):
         tree.check_tree(draft, batch, temperature)

@@ -336,3 +336,17 @@ def test_auto_draft_length_adapts():
         assert out.new_tokens == [counter_continuation(8, 30)]
     assert out.stats.gamma_used[-10:-1] == [1] * 9  # (the very last round has a budget of one token)
     assert never.accept_prob(0.99) < 0.05
+
+
+def test_auto_counts_no_draft_time_for_a_further_token_of_a_block():
+    """A block draft has drafted its whole block already: a further token costs only verify time, so where a chain
+    stops (its next token's draft forward outweighs the expected gain) a block drafts on."""
+    from decode.draft_length import AutoDraftLength
+
+    unsure = torch.tensor([0.05])  # the draft's confidence in the token it just drafted
+    chain = AutoDraftLength(max_gamma=6, draft_cost_ratio=0.5)
+    block = AutoDraftLength(max_gamma=6, draft_cost_ratio=0.5, block=True)
+    for controller in (chain, block):
+        controller.start_round(1, 6)
+    assert not chain.keep_drafting(unsure)
+    assert block.keep_drafting(unsure)

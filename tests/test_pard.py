@@ -94,6 +94,21 @@ def test_one_forward_per_round_and_greedy_equals_target_only(pair):
     assert accepted > 0
 
 
+def test_auto_drafts_most_of_the_block_where_verifying_it_costs_little(pair):
+    """``auto`` is told a PARD draft is a block (speculative_generate sets it from the draft's kind): a further
+    token costs no draft forward, only verify time, which a tiny target hardly spends; so it verifies (nearly) the
+    whole block each round even with a draft forward priced at 0.6 of the target's, where a chain would stop."""
+    from decode.draft_length import AutoDraftLength
+
+    target, draft = pair
+    controller = AutoDraftLength(max_gamma=BLOCK, draft_cost_ratio=0.6)
+    out = speculative_generate(target, draft, PROMPTS[:2], max_new_tokens=40, num_draft_tokens=controller,
+                               eos_token_id=[])  # fmt: skip
+    assert controller.block
+    drafted = out.stats.gamma_used[1:-1]
+    assert sum(drafted) / len(drafted) >= BLOCK - 1
+
+
 @pytest.mark.parametrize("gamma", [3, "auto"])
 def test_greedy_batch_with_left_padding_equals_each_row_alone(pair, gamma):
     target, draft = pair
