@@ -29,7 +29,6 @@ import torch
 
 from decode import sources
 from decode.sources import is_gguf
-from distill.checkpoints import replace_dir
 from distill.config import (
     ArchConfig,
     PretrainRecipe,
@@ -39,9 +38,10 @@ from distill.config import (
     load_recipe,
     to_dict,
 )
-from distill.corpus import Corpus, PackedChunks, eval_windows, load_corpus, load_tokenizer, pack, train_tokenizer
+from distill.data.corpus import Corpus, PackedChunks, eval_windows, load_corpus, load_tokenizer, pack, train_tokenizer
 from distill.models import resolve_mixed_precision
-from distill.tracking import tracker_setup
+from distill.training.checkpoints import replace_dir
+from distill.training.tracking import tracker_setup
 
 MIN_LR_RATIO = 0.1  # the cosine ends at 10% of the peak learning rate
 VOCAB_MULTIPLE = 64  # a vocabulary sized to the tokenizer is rounded up to this (matmul-friendly)
