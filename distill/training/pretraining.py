@@ -45,7 +45,7 @@ from distill.training.tracking import tracker_setup
 
 MIN_LR_RATIO = 0.1  # the cosine ends at 10% of the peak learning rate
 VOCAB_MULTIPLE = 64  # a vocabulary sized to the tokenizer is rounded up to this (matmul-friendly)
-RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "pretrain"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "pretrain"
 PRETRAIN_SCRIPT = RECIPES.parents[1] / "train" / "pretrain.py"
 MARKER = "TRAINING.json"  # written last into a finished checkpoint; its presence marks a dir as ours
 
