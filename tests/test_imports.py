@@ -107,3 +107,16 @@ def test_layout_packages_hold_only_a_docstring():
         body = ast.parse(files[package].read_text()).body
         assert ast.get_docstring(ast.Module(body=body, type_ignores=[])), f"{package}/__init__.py has no docstring"
         assert len(body) == 1, f"{package}/__init__.py holds code: import from its modules instead"
+
+
+def test_layout_subpackages_list_their_modules():
+    """Each subpackage's docstring names every module in it, one line each (the line starts with its name)."""
+    files = module_files()
+    for package in LAYOUT_PACKAGES[1:]:
+        listed = {
+            line.split()[0]
+            for line in ast.get_docstring(ast.parse(files[package].read_text())).splitlines()
+            if line.strip()
+        }
+        modules = {name.rpartition(".")[2] for name in files if name.rpartition(".")[0] == package}
+        assert modules <= listed, f"{package}/__init__.py does not list {sorted(modules - listed)}"
