@@ -20,8 +20,8 @@ In each worker, three phases, the process's RSS high-water mark reset before eac
   warm-up of each; tokens/s = emitted tokens / wall time. Runs before distillation so the draft is the reference one.
 * distill: `--steps` (default 3) AdamW steps of the draft on one batch of 8 x 192 tokens packed from
   `$PAIR/prompts/stdlib-train.jsonl`: teacher forward under no_grad, draft forward/backward,
-  `distill.losses.distill_loss` (forward KL, every position), optimizer step. tokens/s over the steps after the
-  first (the first is a warm-up), counting batch x seq tokens per step.
+  `distill.training.losses.distill_loss` (forward KL, every position), optimizer step. tokens/s over the steps
+  after the first (the first is a warm-up), counting batch x seq tokens per step.
 
 On CUDA the workers also report `torch.cuda.max_memory_allocated()` per phase; on CPU the memory columns are RSS
 only (the whole process: Python, torch, both models, activations, optimizer state). Options: `--threads N`
@@ -38,7 +38,7 @@ with random weights:
 No target runs: the target's side of the batch (its aux hidden states in bf16, its log-probabilities over the
 draft vocabulary) is random of the right shapes, and the head reads a bf16 embedding of the target's vocabulary
 (the target's own, which the head shares). Each (head, length) runs in a fresh worker: a warm-up step at 64
-tokens (so AdamW's state exists), then the measured step: `distill.eagle3_train.head_loss` (3 unrolled steps,
+tokens (so AdamW's state exists), then the measured step: `distill.training.eagle3_train.head_loss` (3 unrolled steps,
 forward KL, every position; `--recompute`: with `distill.recompute`), backward, the training loop's AdamW step.
 It reports the step's peak RSS (VmHWM reset just before it) and the RSS before it (the head, its AdamW state, the
 embedding, the batch's target side), whose difference is the step's own memory; on CUDA also
@@ -222,8 +222,8 @@ def worker(target_path: str, dtype: str, steps: int, threads: int | None) -> dic
     from decode.prompts import encode_prompts, load_prompts, make_batches
     from decode.speculative import speculative_generate, target_generate
     from distill.config import ModelConfig, QuantConfig
-    from distill.losses import distill_loss
     from distill.models import check_compatible, load_draft, load_target, load_tokenizer, resolve_device
+    from distill.training.losses import distill_loss
 
     if threads:
         torch.set_num_threads(threads)
@@ -303,7 +303,7 @@ def _random_side(head, batch: int, seq: int, device):
     """A training batch of ``seq`` tokens per row and a random target side for it (bf16 features)."""
     import torch
 
-    from distill.eagle3_train import TargetSide
+    from distill.training.eagle3_train import TargetSide
 
     config, vd = head.config, len(head.draft_ids)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
@@ -323,10 +323,10 @@ def eagle3_worker(shape: str, seq: int, threads: int | None, recompute: bool = F
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from decode.kinds import eagle3
-    from distill import eagle3_train
     from distill.config import DistillConfig, TrainConfig
     from distill.models import resolve_device
-    from distill.training import build_optimizer
+    from distill.training import eagle3_train
+    from distill.training.helpers import build_optimizer
 
     if threads:
         torch.set_num_threads(threads)

@@ -50,8 +50,8 @@ from pathlib import Path
 import torch
 
 from distill.config import ArchConfig, CorpusConfig
-from distill.corpus import load_corpus, train_tokenizer
-from distill.pretraining import build_model, count_params
+from distill.data.corpus import load_corpus, train_tokenizer
+from distill.training.pretraining import build_model, count_params
 
 out = Path(sys.argv[1])
 corpus = load_corpus(CorpusConfig(source="python-stdlib", max_files=200))
@@ -71,7 +71,7 @@ fi
 if [[ -n ${PROMPTS:-} ]]; then
     EVAL_PROMPTS=$PROMPTS TRAIN_PROMPTS=$PROMPTS
 else
-    python -c "import sys; from pathlib import Path; from distill.quickstart import ensure_stdlib_prompts; ensure_stdlib_prompts(Path(sys.argv[1]))" "$OUT"
+    python -c "import sys; from pathlib import Path; from distill.data.quickstart import ensure_stdlib_prompts; ensure_stdlib_prompts(Path(sys.argv[1]))" "$OUT"
     EVAL_PROMPTS=$OUT/prompts/stdlib-eval.jsonl TRAIN_PROMPTS=$OUT/prompts/stdlib-train.jsonl
 fi
 

@@ -5,8 +5,8 @@ the start): its loss, batch size, lr, warm-up, optimizer settings, max prompt le
 generation temperature and share of on-policy (draft-generated) continuations. Each side trains for `--minutes` of
 *training* wall-clock (model loading, snapshots and evaluation are off the clock on both sides) and keeps a
 snapshot of its draft at `--marks` equally spaced minute marks up to `--minutes`. Then one function
-(`distill.training.evaluate`, what train/distill.py evaluates with: greedy speculative decoding, gamma 4, 64 new
-tokens, the first `--eval-prompts` dev prompts) evaluates the base draft and every snapshot of both sides.
+(`distill.training.helpers.evaluate`, what train/distill.py evaluates with: greedy speculative decoding, gamma 4,
+64 new tokens, the first `--eval-prompts` dev prompts) evaluates the base draft and every snapshot of both sides.
 
 Printed: a markdown table with, per side and per mark, training minutes, optimizer steps, training tokens/s,
 acceptance, tau (mean accepted length) and measured speedup over target-only decoding; then per side the final
@@ -421,8 +421,9 @@ def worker_trl(spec: dict) -> None:
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    from distill import data, models
+    from distill import models
     from distill.config import load_recipe
+    from distill.data.prompts import encode_examples, load_train_eval
 
     torch.set_num_threads(spec["threads"])
     GKDConfig, GKDTrainer = load_trl()
@@ -431,10 +432,8 @@ def worker_trl(spec: dict) -> None:
     tokenizer = models.load_tokenizer(recipe.target.model, recipe.target, key="target.model")
     target = models.load_target(recipe.target)
     draft = models.load_draft(recipe.draft)
-    rows, _ = data.load_train_eval(recipe.data)
-    examples = data.encode_examples(
-        rows, tokenizer, recipe.data, models.context_length(target, draft), s.max_new_tokens
-    )
+    rows, _ = load_train_eval(recipe.data)
+    examples = encode_examples(rows, tokenizer, recipe.data, models.context_length(target, draft), s.max_new_tokens)
     # Prompt-only rows as token ids: completion_mask all 0 makes the whole row the prompt in TRL's collator.
     dataset = Dataset.from_list(
         [{"prompt": "", "input_ids": e.prompt_ids, "completion_mask": [0] * len(e.prompt_ids)} for e in examples]
@@ -494,12 +493,13 @@ def worker_trl(spec: dict) -> None:
 
 
 def worker_eval(spec: dict) -> None:
-    """Every given draft through distill.training.evaluate, one target, the same prompts."""
+    """Every given draft through distill.training.helpers.evaluate, one target, the same prompts."""
     import torch
 
-    from distill import data, models
+    from distill import models
     from distill.config import load_recipe
-    from distill.training import evaluate
+    from distill.data.prompts import load_train_eval
+    from distill.training.helpers import evaluate
 
     torch.set_num_threads(spec["threads"])
     s = Shared(**{**spec["shared"], "adam_betas": tuple(spec["shared"]["adam_betas"])})
@@ -514,7 +514,7 @@ def worker_eval(spec: dict) -> None:
     recipe = load_recipe(spec["recipe"], overrides)
     tokenizer = models.load_tokenizer(recipe.target.model, recipe.target, key="target.model")
     target = models.load_target(recipe.target)
-    _, eval_rows = data.load_train_eval(recipe.data)
+    _, eval_rows = load_train_eval(recipe.data)
     rows = eval_rows[: spec["eval_prompts"]]
     results = {}
     for name, path in spec["drafts"].items():

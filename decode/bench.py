@@ -81,7 +81,7 @@ HF_ASSISTED_DEFAULTS = {
 
 
 def published_assistant_settings(gamma: int) -> dict:
-    """The assistant settings a published draft's generation_config carries (``distill.publish``)."""
+    """The assistant settings a published draft's generation_config carries (``distill.publishing.publish``)."""
     return {
         "num_assistant_tokens": int(gamma),
         "num_assistant_tokens_schedule": "constant",
@@ -342,9 +342,10 @@ def _batch_medians(times: dict, tokens: dict, method: str) -> list[tuple[float, 
 def _per_batch(times: dict, tokens: dict, fast: str, base: str | None, batch_ids: list[list[str]]) -> dict | None:
     """Each batch's speedup of ``fast`` over ``base``, beside the ids of its prompts.
 
-    Two checkpoints benched on the same prompts are compared batch by batch (``distill.checkpoints.beats``): what
-    a prompt does to both (a long prompt, an easy continuation) cancels, and what is left is the draft and the
-    timing noise. The bootstrap over batches in ``vs_target_ci95`` keeps that prompt spread in."""
+    Two checkpoints benched on the same prompts are compared batch by batch
+    (``distill.training.checkpoints.beats``): what a prompt does to both (a long prompt, an easy continuation)
+    cancels, and what is left is the draft and the timing noise. The bootstrap over batches in ``vs_target_ci95``
+    keeps that prompt spread in."""
     if base is None:
         return None
     speedups = [

@@ -13,9 +13,9 @@ the target at a rejection.
 
 The checkpoint itself keeps its full head: HF assisted generation, vLLM and SGLang load and run it unchanged
 (with their full-vocabulary cost); the ids file is read by draftsmith's decoder only. A draft trained over its
-draft vocabulary (distill.subset_loss) is saved through `with_masked_head`: the same full-width head, its untrained
-rows replaced by one row fitted to score far below the trained rows on the draft's own hidden states, so those
-engines propose from the draft vocabulary when they sample too. A Llama head has no bias, so this is a fit, not a
+draft vocabulary (distill.training.subset_loss) is saved through `with_masked_head`: the same full-width head, its
+untrained rows replaced by one row fitted to score far below the trained rows on the draft's own hidden states, so
+those engines propose from the draft vocabulary when they sample too. A Llama head has no bias, so this is a fit, not a
 -inf: the saved head's mass outside the draft vocabulary is measured on held-out text and kept in draft_vocab.json.
 """
 

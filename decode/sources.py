@@ -185,7 +185,7 @@ def resolve_model_path(name: str, key: str, revision: str | None = None) -> str:
         raise ValueError(
             f"{key} {name!r} not found: no such directory (relative to {os.getcwd()}); fix the path or use a hub id"
         )
-    from distill.hub import hub_offline
+    from distill.publishing.hub import hub_offline
 
     if hub_offline():
         from huggingface_hub import try_to_load_from_cache

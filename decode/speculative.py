@@ -274,7 +274,7 @@ def target_generate(
         vocab: the logits width to decode over; None = the target's full width. Given the width
             ``speculative_generate`` used, both loops choose among exactly the same tokens.
         observer: sees the target's side of every input, once each (what
-            ``distill.eagle3_train.GenerationRecorder`` keeps for training): each forward calls
+            ``distill.training.eagle3_train.GenerationRecorder`` keeps for training): each forward calls
             ``observer.seen(rows, logits, states, valid)`` with the logits of all its inputs ``[B, q, vocab]``
             and the hidden states at ``observer.layers`` side by side ``[B, q, ...]``; a finished row is fed its
             last token once more before it leaves the batch. The tokens chosen do not change.

@@ -234,7 +234,7 @@ def load_tokenizer(path: str, cfg: ModelConfig | None = None, *, key: str = "tok
     """The tokenizer at `path` (a model dir, hub id or `.gguf` file), ready for batched generation.
 
     `cfg` (the model's recipe section) supplies `revision` and `trust_remote_code`. A missing pad token is set
-    to the EOS token (pad == eos is harmless here: masks are never built from token ids, see distill.data), and
+    to the EOS token (pad == eos is harmless here: masks are never built from token ids, see distill.data.prompts), and
     padding is on the left, as decoder-only generation needs.
     """
     revision = cfg.revision if cfg is not None else None
@@ -376,7 +376,7 @@ def save_draft(draft: nn.Module, directory: str | Path, tokenizer: Any = None) -
     Args:
         draft: what :func:`load_draft` returned, unwrapped (`accelerator.unwrap_model`).
         directory: created if needed; files in it are overwritten (write into a temporary dir and rename for
-            atomicity, e.g. distill.checkpoints.atomic_dir).
+            atomicity, e.g. distill.training.checkpoints.atomic_dir).
     """
     from peft import PeftModel
 

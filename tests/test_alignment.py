@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from decode.kinds import eagle3
-from distill import data, eagle3_train, teacher_cache
 from distill.config import DistillConfig, load_recipe
+from distill.data.prompts import collate_training
+from distill.training import eagle3_train, teacher_cache
 from tests.procs import load_script
 from tests.tiny import tiny_llama
 
@@ -66,7 +67,7 @@ def standalone_step_loss():
 
 def standalone_loss(target, pairs, student, overrides, teachers=None) -> torch.Tensor:
     recipe = load_recipe(None, overrides)
-    batch = data.collate_training(pairs, 0, loss_positions=recipe.distill.loss_positions)
+    batch = collate_training(pairs, 0, loss_positions=recipe.distill.loss_positions)
     loss, _, _ = standalone_step_loss()(student, batch, pairs, target, recipe, None, teachers, False)
     return loss
 
@@ -125,7 +126,7 @@ def test_standalone_rows_kept_in_the_teacher_cache_are_the_same_rows(target):
     assert len(cache) == len(pairs) and cache.hits >= 2 * len(pairs)
 
 
-# ---------------------------------------------------------------- EAGLE-3: distill/eagle3_train.py's step loss
+# ------------------------------------------------------- EAGLE-3: distill/training/eagle3_train.py's step loss
 
 
 class Prescribed(eagle3_train.Unrolled):
@@ -163,7 +164,7 @@ def head_outputs(target, pairs, loss_positions: str, steps: int, shift: int = 0)
 
 
 def head_step(target, pairs, outputs, cfg: DistillConfig, cache=None) -> tuple[torch.Tensor, dict, Prescribed]:
-    batch = data.collate_training(pairs, 0, loss_positions=cfg.loss_positions)
+    batch = collate_training(pairs, 0, loss_positions=cfg.loss_positions)
     model = Prescribed(eagle3.build(target, DRAFT_IDS, aux_layers=[1, 2, 3]), outputs)
     keys = None if cache is None else [teacher_cache.sequence_key(*p) for p in pairs]
     loss, stats = eagle3_train.step_loss(model, target, batch, cfg, cache=cache, keys=keys)
@@ -196,7 +197,7 @@ def test_a_block_heads_position_k_at_i_is_compared_with_the_targets_distribution
     from decode.kinds import peagle
 
     pairs, cfg, block = pairs_of(), DistillConfig(loss="fkl"), 5
-    batch = data.collate_training(pairs, 0, loss_positions=cfg.loss_positions)
+    batch = collate_training(pairs, 0, loss_positions=cfg.loss_positions)
     head = peagle.build(target, DRAFT_IDS, aux_layers=[1, 2, 3], block_size=block, mask_token_id=0)
     for shift, right in ((0, True), (1, False), (-1, False)):
         model = Prescribed(head, head_outputs(target, pairs, cfg.loss_positions, block, shift))
@@ -287,7 +288,7 @@ def test_a_pard_drafts_position_k_at_i_is_compared_with_the_targets_distribution
     block = 4
     recipe = load_recipe(None, ["draft.kind=pard", f"draft.block_size={block}", *overrides])
     pairs = pairs_of()
-    batch = data.collate_training(pairs, 0, loss_positions=recipe.distill.loss_positions)
+    batch = collate_training(pairs, 0, loss_positions=recipe.distill.loss_positions)
     accelerator = SimpleNamespace(unwrap_model=lambda m: m)
     for shift, right in ((0, True), (1, False), (-1, False)):
         draft = PrescribedLM(pard_outputs(target, pairs, recipe.distill.loss_positions, block, shift))

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from distill.checkpoints import (
+from distill.training.checkpoints import (
     CheckpointInfo,
     atomic_dir,
     clean_temporaries,

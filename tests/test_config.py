@@ -53,7 +53,7 @@ def test_yaml_and_overrides_coerce_types(tmp_path):
 def test_an_empty_value_is_the_empty_string(tmp_path):
     """docs/data.md: with data.eval_prompts empty, eval_split of the training rows is held out. `key=` on the
     command line and `key:` in YAML are both that empty value."""
-    from distill.data import load_train_eval
+    from distill.data.prompts import load_train_eval
 
     base = load_recipe(write(tmp_path, "data:\n  eval_prompts: held.jsonl\n"))
     assert base.data.eval_prompts == "held.jsonl"

@@ -1,4 +1,4 @@
-"""distill/corpus.py: sources, the deterministic held-out split, the byte-level BPE, packing."""
+"""distill/data/corpus.py: sources, the deterministic held-out split, the byte-level BPE, packing."""
 
 import hashlib
 import json
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distill.config import CorpusConfig, RecipeError
-from distill.corpus import (
+from distill.data.corpus import (
     STDLIB_EXCLUDE,
     Document,
     PackedChunks,

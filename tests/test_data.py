@@ -9,9 +9,9 @@ from conftest import DEV_PROMPTS, TRAIN_PROMPTS
 from transformers import PreTrainedTokenizerFast
 
 from decode.prompts import read_jsonl, render_prompt
-from distill import prompt_gen
 from distill.config import DataConfig
-from distill.data import (
+from distill.data import prompt_gen
+from distill.data.prompts import (
     collate_prompts,
     collate_training,
     encode_examples,
@@ -301,7 +301,7 @@ def test_left_truncation_keeps_the_end_and_bos():
 def test_prompt_cut_to_fit_context(caplog):
     tok = tiny_tokenizer()
     text = "the quick brown fox " * 10
-    with caplog.at_level(logging.WARNING, logger="distill.data"):
+    with caplog.at_level(logging.WARNING, logger="distill.data.prompts"):
         ex = encode_examples([{"prompt": text}], tok, DataConfig(max_prompt_tokens=192), 20, 15)[0]
     assert ex.prompt_ids == tok(text)["input_ids"][-5:]  # context 20 - 15 new tokens
     assert "instead of data.max_prompt_tokens" in caplog.text
@@ -312,7 +312,7 @@ def test_prompt_cut_to_fit_context(caplog):
 def test_empty_rows_dropped_with_warning(caplog):
     tok = tiny_tokenizer()
     rows = [{"prompt": "hello"}, {"prompt": ""}, {"prompt": "world"}]
-    with caplog.at_level(logging.WARNING, logger="distill.data"):
+    with caplog.at_level(logging.WARNING, logger="distill.data.prompts"):
         examples = encode_examples(rows, tok, DataConfig())
     assert [e.index for e in examples] == [0, 2]  # indices stay those of the prompt set
     assert "dropped 1 prompt rows" in caplog.text

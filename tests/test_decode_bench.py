@@ -398,7 +398,7 @@ def test_in_run_evaluation_with_hf_assisted_on_a_padded_pair(padded_pair):
     """train/distill.py's evaluation (eval.hf_assisted, on by default) of the same pair."""
     from distill.config import ModelConfig, Recipe
     from distill.models import load_draft, load_target
-    from distill.training import evaluate
+    from distill.training.helpers import evaluate
 
     recipe = Recipe()
     recipe.target.model, recipe.draft.model = padded_pair

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distill.checkpoints import CheckpointInfo, select_best
 from distill.config import TrainConfig
-from distill.schedule import lr_multiplier
+from distill.training.checkpoints import CheckpointInfo, select_best
+from distill.training.schedule import lr_multiplier
 from tests.procs import HAS_PROC, run_captured, running, wait_for_child
 from tests.tiny import make_pair, make_prompts
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distill.distributed import (
+from distill.training.distributed import (
     check_engine,
     describe,
     engine_warning,

@@ -107,7 +107,7 @@ def test_sampling_with_a_subset_draft_follows_the_target():
 
 
 def test_draft_vocabulary_counts_continuations_else_prompts():
-    from distill.data import Example, draft_vocabulary
+    from distill.data.prompts import Example, draft_vocabulary
 
     examples = [Example(0, [1, 1, 1, 2]), Example(1, [1, 3])]
     ids, where = draft_vocabulary(2, examples, [], vocab=10, always=[9])

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from decode.kinds import eagle3
-from distill import eagle3_train
+from distill.training import eagle3_train
 from tests.memory import TensorPeak
 from tests.tiny import tiny_config
 

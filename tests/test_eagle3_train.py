@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from decode.kinds import eagle3
-from distill import data, eagle3_train, losses
 from distill.config import DistillConfig, RecipeError, load_recipe
+from distill.data.prompts import collate_training
+from distill.training import eagle3_train, losses
 from tests.test_distill_e2e import (
     error_line,
     kill_at_checkpoint,
@@ -106,7 +107,7 @@ def test_step_loss_decreases_and_reports_every_unrolled_step():
     target = tiny_llama(97, 0, layers=4, initializer_range=0.2).requires_grad_(False)
     g = torch.Generator().manual_seed(1)
     pairs = [(torch.randint(1, 97, (5,), generator=g).tolist(), torch.randint(1, 97, (20,), generator=g).tolist())]
-    batch = data.collate_training(pairs * 4, 0)
+    batch = collate_training(pairs * 4, 0)
     torch.manual_seed(0)
     model = eagle3_train.Unrolled(eagle3.build(target, list(range(64))))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -147,7 +148,7 @@ def test_a_step_has_the_loss_and_gradients_of_the_dense_attention(arch, loss, re
         )
         for b in range(3)
     ]
-    batch = data.collate_training(pairs, 0)
+    batch = collate_training(pairs, 0)
     head = eagle3.build(target, list(range(0, 97, 2)))
     with torch.no_grad():
         for p in head.parameters():
@@ -355,7 +356,7 @@ def test_bad_input_is_one_error_line_and_nothing_written(assets, tmp_path, draft
 def test_a_kept_batch_gives_the_loss_and_gradient_of_the_target_forward(arch, loss):
     from transformers import AutoModelForCausalLM
 
-    from distill.teacher_cache import sequence_key
+    from distill.training.teacher_cache import sequence_key
 
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(tiny_config(arch, 97, layers=4, initializer_range=0.2)).eval()
@@ -365,7 +366,7 @@ def test_a_kept_batch_gives_the_loss_and_gradient_of_the_target_forward(arch, lo
         (torch.randint(1, 97, (4 + b,), generator=g).tolist(), torch.randint(1, 97, (12,), generator=g).tolist())
         for b in range(3)
     ]
-    batch = data.collate_training(pairs, 0, loss_positions="all")
+    batch = collate_training(pairs, 0, loss_positions="all")
     keys = [sequence_key(*p) for p in pairs]
     model = eagle3_train.Unrolled(eagle3.build(target, list(range(0, 97, 2))))
     cfg = DistillConfig(loss=loss, temperature=0.8)
@@ -383,12 +384,12 @@ def test_a_kept_batch_gives_the_loss_and_gradient_of_the_target_forward(arch, lo
 
 
 def test_a_target_whose_logits_are_not_its_output_layer_is_never_read_from_the_cache():
-    from distill.teacher_cache import sequence_key
+    from distill.training.teacher_cache import sequence_key
 
     target = tiny_llama(97, 0, layers=4).requires_grad_(False)
     target.lm_head.forward = lambda h: torch.nn.functional.linear(h, target.lm_head.weight) * 0.5  # a logit scale
     pairs = [([5, 6, 7], list(range(10, 30)))]
-    batch = data.collate_training(pairs, 0)
+    batch = collate_training(pairs, 0)
     model = eagle3_train.Unrolled(eagle3.build(target, list(range(64))))
     cache = eagle3_train.TargetCache(target, 1.0, max_gb=1.0)
     keys = [sequence_key(*pairs[0])]
@@ -399,11 +400,11 @@ def test_a_target_whose_logits_are_not_its_output_layer_is_never_read_from_the_c
 
 
 def test_rows_past_the_memory_bound_are_not_kept():
-    from distill.teacher_cache import sequence_key
+    from distill.training.teacher_cache import sequence_key
 
     target = tiny_llama(97, 0, layers=4).requires_grad_(False)
     pairs = [([5, 6, 7], list(range(10, 30))), ([8, 9], list(range(40, 60)))]
-    batch = data.collate_training(pairs, 0)
+    batch = collate_training(pairs, 0)
     model = eagle3_train.Unrolled(eagle3.build(target, list(range(64))))
     one_row = 23 * (3 * 64 * 4 + 64 * 4 + 4 + 4)  # the first sequence's 23 tokens, float32 states
     cache = eagle3_train.TargetCache(target, 1.0, max_gb=one_row / 1e9)
@@ -421,9 +422,9 @@ def test_rows_past_the_memory_bound_are_not_kept():
 def test_states_kept_while_generating_equal_the_training_forward_and_change_no_token(arch):
     from transformers import AutoModelForCausalLM
 
-    from distill.data import Example
-    from distill.rollouts import generate_target_rollouts
-    from distill.teacher_cache import sequence_key
+    from distill.data.prompts import Example
+    from distill.data.rollouts import generate_target_rollouts
+    from distill.training.teacher_cache import sequence_key
 
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(tiny_config(arch, 97, layers=4, initializer_range=0.2)).eval()
@@ -445,7 +446,7 @@ def test_states_kept_while_generating_equal_the_training_forward_and_change_no_t
     assert cache.usable and len(cache) == 4 and not recorder._parts
     for example, completion in zip(examples, kept):
         pair = (example.prompt_ids, completion)
-        batch = data.collate_training([pair], 0, loss_positions="all")
+        batch = collate_training([pair], 0, loss_positions="all")
         fresh = eagle3_train.target_side(target, batch, head, 0.8)
         found = eagle3_train.target_side(target, batch, head, 0.8, cache, [sequence_key(*pair)])
         assert (fresh.computed, found.computed) == (1, 0)
@@ -455,8 +456,8 @@ def test_states_kept_while_generating_equal_the_training_forward_and_change_no_t
 
 
 def test_a_target_whose_logits_are_not_its_output_layer_keeps_nothing_while_generating():
-    from distill.data import Example
-    from distill.rollouts import generate_target_rollouts
+    from distill.data.prompts import Example
+    from distill.data.rollouts import generate_target_rollouts
 
     target = tiny_llama(97, 0, layers=4).requires_grad_(False)
     forward = target.forward

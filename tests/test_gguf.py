@@ -186,8 +186,8 @@ def test_missing_and_not_gguf_files(tmp_path):
 
 def test_pretrain_tokenizer_from_a_gguf_keeps_the_full_vocabulary(tiny_gguf):
     from distill.config import ArchConfig, TokenizerConfig
-    from distill.corpus import Corpus
-    from distill.pretraining import build_tokenizer, resolve_vocab_size
+    from distill.data.corpus import Corpus
+    from distill.training.pretraining import build_tokenizer, resolve_vocab_size
 
     path, original, tok = tiny_gguf
     loaded = build_tokenizer(TokenizerConfig(path=str(path)), Corpus(source="none", kind="folder"))
@@ -202,7 +202,7 @@ def test_extra_engine_bench_takes_a_gguf_target_and_the_draft_vocabulary(tiny_gg
     draft vocabulary saved in best/."""
     from decode.draft_vocab import save_ids
     from distill.config import load_recipe
-    from distill.engines import measure_extra_engines
+    from distill.training.engines import measure_extra_engines
 
     path, original, tok = tiny_gguf
     best = tmp_path / "best"

@@ -25,15 +25,26 @@ def import_graph() -> dict[str, set[str]]:
     files = module_files()
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if isinstance(node, ast.ImportFrom):
+                base = absolute(node, package)
                 for alias in node.names:
-                    sub = f"{node.module}.{alias.name}"
-                    graph[name].add(sub if sub in files else node.module)
+                    sub = f"{base}.{alias.name}" if base else alias.name
+                    graph[name].add(sub if sub in files else base)
             elif isinstance(node, ast.Import):
                 graph[name].update(a.name for a in node.names)
         graph[name] = {m for m in graph[name] if m in files and m != name}
     return graph
+
+
+def absolute(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module an ImportFrom names: `from .x import y` in package `p.q` is `p.q.x`."""
+    if node.level == 0:
+        return node.module or ""
+    parts = package.split(".")
+    base = ".".join(parts[: len(parts) - node.level + 1])
+    return f"{base}.{node.module}" if node.module else base
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -76,4 +87,36 @@ def test_the_cycle_finder_finds_a_circle():
 def test_no_import_circles():
     graph = import_graph()
     assert "decode.speculative" in graph and "distill.kinds.eagle3" in graph  # the walk sees subpackages
+    assert "distill.kinds" in graph["distill.training.run_state"]  # and imports inside functions
     assert cycles(graph) == []
+
+
+def test_relative_imports_resolve():
+    node = ast.parse("from ..kinds import eagle3").body[0]
+    assert absolute(node, "distill.training") == "distill.kinds"
+    assert absolute(ast.parse("from . import hub").body[0], "distill.publishing") == "distill.publishing"
+
+
+# The layout packages group modules and hold nothing themselves: each thing is imported from the module it lives in.
+LAYOUT_PACKAGES = ("distill", "distill.data", "distill.training", "distill.publishing")
+
+
+def test_layout_packages_hold_only_a_docstring():
+    files = module_files()
+    for package in LAYOUT_PACKAGES:
+        body = ast.parse(files[package].read_text()).body
+        assert ast.get_docstring(ast.Module(body=body, type_ignores=[])), f"{package}/__init__.py has no docstring"
+        assert len(body) == 1, f"{package}/__init__.py holds code: import from its modules instead"
+
+
+def test_layout_subpackages_list_their_modules():
+    """Each subpackage's docstring names every module in it, one line each (the line starts with its name)."""
+    files = module_files()
+    for package in LAYOUT_PACKAGES[1:]:
+        listed = {
+            line.split()[0]
+            for line in ast.get_docstring(ast.parse(files[package].read_text())).splitlines()
+            if line.strip()
+        }
+        modules = {name.rpartition(".")[2] for name in files if name.rpartition(".")[0] == package}
+        assert modules <= listed, f"{package}/__init__.py does not list {sorted(modules - listed)}"

@@ -11,7 +11,7 @@ import torch
 from decode import kernels
 from distill.config import LoraConfig, ModelConfig, Recipe
 from distill.models import load_draft, load_target, load_tokenizer
-from distill.training import _served_draft, evaluate
+from distill.training.helpers import _served_draft, evaluate
 from tests.tiny import make_pair, make_prompts
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from distill.losses import (
+from distill.training.losses import (
     distill_loss,
     forward_kl,
     generalized_jsd,
@@ -231,7 +231,7 @@ def test_top1_agreement():
 def test_fused_forward_kl_matches_the_unfused_loss(monkeypatch, chunk, dtype):
     """The fused, chunked forward KL against the textbook log-softmax path: value and gradient, with a padded
     teacher vocabulary, a temperature, -inf teacher logits and bf16 student logits."""
-    from distill import losses
+    from distill.training import losses
 
     monkeypatch.setitem(losses._CHUNK_ELEMENTS, "cpu", chunk)
     teacher = _logits(30, vocab=V + 3)  # padded past the shared range

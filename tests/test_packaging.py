@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # The newest torch APIs the code calls, where it calls them, and the torch release that made each public.
 TORCH_APIS = [
-    ("distill/distributed.py", "from torch.distributed.tensor import DTensor", "2.5"),
+    ("distill/training/distributed.py", "from torch.distributed.tensor import DTensor", "2.5"),
     ("decode/kernels.py", "torch.is_autocast_enabled(x.device.type)", "2.4"),  # the device argument
 ]
 
@@ -56,7 +56,7 @@ def test_wheel_lacks_the_checkout_files_and_the_quickstart_says_so(tmp_path):
     assert build.returncode == 0, build.stderr
     (wheel,) = (tmp_path / "dist").glob("draftsmith-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "distill/pretraining.py" in names and "decode/__main__.py" in names
+    assert "distill/training/pretraining.py" in names and "decode/__main__.py" in names
     # every subpackage too (pyproject lists packages one by one)
     packages = {
         p.parent.relative_to(REPO).as_posix()
@@ -70,7 +70,10 @@ def test_wheel_lacks_the_checkout_files_and_the_quickstart_says_so(tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     cache = tmp_path / "cache"
-    code = "import sys; from distill.pretraining import ensure_quickstart_pair as build; build(cache_dir=sys.argv[1])"
+    code = (
+        "import sys; from distill.training.pretraining import ensure_quickstart_pair as build; "
+        "build(cache_dir=sys.argv[1])"
+    )
     env = {**os.environ, "PYTHONPATH": str(site)}
     proc = subprocess.run(
         [sys.executable, "-c", code, str(cache)], capture_output=True, text=True, cwd=tmp_path, env=env

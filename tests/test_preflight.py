@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from distill.config import load_recipe
-from distill.preflight import check_inputs
+from distill.training.preflight import check_inputs
 from tests.procs import load_script
 from tests.tiny import BPE_VOCAB, CHAR_VOCAB, bpe_tokenizer, char_tokenizer, swap_ids, tiny_config
 
@@ -270,7 +270,7 @@ def test_overwrite_keeps_a_run_whose_files_are_its_inputs(inputs, tmp_path, caps
     error line, and best/ and checkpoints/ are still there."""
     import shutil
 
-    from distill.run_state import RUN_MARKER
+    from distill.training.run_state import RUN_MARKER
 
     out = tmp_path / "run"
     shutil.copytree(inputs["draft"], out / "best")

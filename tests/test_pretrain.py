@@ -1,4 +1,5 @@
-"""train/pretrain.py and distill/pretraining.py: a tiny pretraining run end to end, bad input, the quickstart pair."""
+"""train/pretrain.py and distill/training/pretraining.py: a tiny pretraining run end to end, bad input, the
+quickstart pair."""
 
 import json
 import os
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from distill.config import ArchConfig, PretrainRecipe, RecipeError, dump_recipe, load_recipe
-from distill.corpus import stdlib_files, train_tokenizer
-from distill.pretraining import (
+from distill.data.corpus import stdlib_files, train_tokenizer
+from distill.training.pretraining import (
     MIN_LR_RATIO,
     lr_at,
     quickstart_cache_dir,
@@ -99,7 +100,7 @@ def test_reloaded_checkpoint_gives_the_in_memory_logits(tmp_path, corpus_dir, mo
     """The library run in-process, under a time budget: the saved checkpoint reproduces the trained model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import distill.pretraining as pt
+    import distill.training.pretraining as pt
 
     captured = {}
     real_save = pt.save_checkpoint
@@ -163,7 +164,7 @@ def test_cli_bad_input_exit_status(tmp_path):
 
 
 def test_existing_dir_that_is_not_a_checkpoint_is_refused(tmp_path, fresh_accelerate):
-    from distill.pretraining import pretrain
+    from distill.training.pretraining import pretrain
 
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
@@ -215,7 +216,7 @@ def test_quickstart_recipes_are_a_pair():
 
 
 def test_ensure_quickstart_pair_builds_missing_reuses_built(tmp_path, monkeypatch):
-    import distill.pretraining as pt
+    import distill.training.pretraining as pt
 
     built = []
 

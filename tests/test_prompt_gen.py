@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from distill import prompt_gen
 from distill.config import DataConfig, RecipeError, load_recipe
+from distill.data import prompt_gen
 from tests.tiny import make_pair
 
 TEMPLATE = (

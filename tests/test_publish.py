@@ -1,5 +1,5 @@
-"""train/publish.py and distill.publish (+ distill.publish_source, distill.card, distill.hub, distill.draft_folder)
-on a tiny real run.
+"""train/publish.py and distill.publishing (publish, with publish_source, card, hub and draft_folder) on a tiny
+real run.
 
 Offline, CPU, a few seconds.
 
@@ -20,9 +20,9 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from distill import draft_folder, publish_source
-from distill import publish as pub
 from distill.config import load_recipe, save_recipe
+from distill.publishing import draft_folder, publish_source
+from distill.publishing import publish as pub
 from tests.tiny import tiny_llama, word_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -856,7 +856,7 @@ def test_eagle3_head_is_published_as_served(eagle3_run, tmp_path):
 def test_an_eagle3_card_measured_with_a_tree_gives_the_tree_launch_lines():
     """SGLang and draftsmith draft the measured tree (SGLang counts the root among its draft tokens); vLLM drafts a
     chain as deep as the tree."""
-    from distill.card import eagle3_usage
+    from distill.publishing.card import eagle3_usage
 
     text = "\n".join(eagle3_usage("org/target", "me/head", 4, "tree:3,4,8"))
     assert "--speculative-num-steps 4 \\" in text
@@ -955,7 +955,7 @@ def test_published_eagle3_head_names_its_verifier_for_vllm(eagle3_run, tmp_path)
     """config.json's speculators keys name the target vLLM serves the head with: --verifier as given (with the
     measured gamma), none for a local target without it (with a note); the card's vLLM lines follow, sampled
     drafting unless the recipe asks for greedy."""
-    from distill.publish import BuildOptions, build_publish_folder
+    from distill.publishing.publish import BuildOptions, build_publish_folder
 
     repo = "someone/tiny-eagle3"
     gamma = BEST["num_draft_tokens"]
@@ -978,7 +978,7 @@ def test_published_eagle3_head_names_its_verifier_for_vllm(eagle3_run, tmp_path)
 
 
 def test_card_vllm_lines_follow_the_recipes_draft_sample_method():
-    from distill.card import eagle3_usage, vllm_spec
+    from distill.publishing.card import eagle3_usage, vllm_spec
 
     assert json.loads(vllm_spec("me/d", 3))["draft_sample_method"] == "probabilistic"
     assert "draft_sample_method" not in json.loads(vllm_spec("me/d", 3, "greedy"))
@@ -1011,7 +1011,7 @@ def test_a_peagle_head_is_published_with_parallel_drafting_launch_lines(peagle_r
     """The card and the folder's README name P-EAGLE and its block; vLLM's line asks for parallel drafting with at
     most the block's tokens; SGLang gets no line (it has no parallel drafting); config.json's speculators keys say
     peagle with --verifier; draftsmith_eval.json records the kind and the block."""
-    from distill.publish import BuildOptions, build_publish_folder
+    from distill.publishing.publish import BuildOptions, build_publish_folder
 
     repo = "someone/tiny-peagle"
     out = build_publish_folder(peagle_run, tmp_path / "pub", repo, BuildOptions(verifier="org/tiny-target"))
@@ -1042,7 +1042,7 @@ def test_a_pard_draft_is_published_with_parallel_drafting_launch_lines(run_dir, 
     reads); the card names the kind and its block, gives vLLM's draft_model line with parallel_drafting and at most
     the block's tokens, and no HF assisted or SGLang line."""
     from decode.kinds import pard
-    from distill.publish import build_publish_folder
+    from distill.publishing.publish import build_publish_folder
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)

@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from decode import kernels
-from distill import rollouts
 from distill.config import DataConfig, DistillConfig, LoraConfig, ModelConfig, QuantConfig
-from distill.data import Example, collate_training, encode_examples
-from distill.models import load_draft, load_target, load_tokenizer
-from distill.rollouts import (
+from distill.data import rollouts
+from distill.data.prompts import Example, collate_training, encode_examples
+from distill.data.rollouts import (
     RolloutCache,
     RolloutSource,
     choose_source,
@@ -18,6 +17,7 @@ from distill.rollouts import (
     pregenerate_target_rollouts,
     target_cache_settings,
 )
+from distill.models import load_draft, load_target, load_tokenizer
 from tests.tiny import SNIPPETS, bpe_tokenizer, tiny_llama
 
 PROMPTS = ["def f(x):", "hello world, the", "import os\nprint(", "the quick brown fox jumps over", "x"]
@@ -225,7 +225,7 @@ def test_pregenerate_shards_across_processes(models, tmp_path):
 
 
 def test_pregenerate_reports_each_batch_of_its_share(models, tmp_path):
-    # what distill.schedule.GenerationWatch projects the generation's minutes from
+    # what distill.training.schedule.GenerationWatch projects the generation's minutes from
     tok, target, draft, examples = models
     cfg = _cfg(source="target")
     source = RolloutSource(cfg, target, tok, cache_dir=tmp_path, vocab=len(tok))

@@ -15,9 +15,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distill.checkpoints import CheckpointInfo, beats, replace_dir, select_best, steps_to_keep, write_json_atomic
 from distill.config import LogConfig, Recipe, RecipeError, load_recipe, save_recipe
-from distill.run_state import (
+from distill.training.checkpoints import (
+    CheckpointInfo,
+    beats,
+    replace_dir,
+    select_best,
+    steps_to_keep,
+    write_json_atomic,
+)
+from distill.training.helpers import Timer, eval_metrics, summary_table
+from distill.training.run_state import (
     RUN_DIRS,
     RUN_FILES,
     RUN_MARKER,
@@ -31,8 +39,7 @@ from distill.run_state import (
     run_inputs,
     trim_metrics,
 )
-from distill.tracking import tracker_setup
-from distill.training import Timer, eval_metrics, summary_table
+from distill.training.tracking import tracker_setup
 from tests.procs import HAS_PROC, load_script, running, tiny_recipe, tiny_run_paths, wait_for_child
 
 REPO = Path(__file__).resolve().parent.parent
@@ -370,7 +377,7 @@ KILLED_BEFORE_EXPORT = """
 import json, os, signal, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-import distill.run_state as rs
+import distill.training.run_state as rs
 from distill.config import Recipe
 from tests.tiny import CHAR_VOCAB, char_tokenizer, tiny_llama
 
@@ -391,8 +398,8 @@ for step, result in json.loads(sys.argv[3]):
 
 
 def test_a_kill_before_best_is_exported_is_repaired_by_resume_and_never_published(tmp_path):
-    from distill.hub import PublishError
-    from distill.publish_source import resolve_source
+    from distill.publishing.hub import PublishError
+    from distill.publishing.publish_source import resolve_source
 
     out = tmp_path / "run"
     results = [(0, bench_result(0, 1.0)), (3, bench_result(3, 2.0))]  # step 3 is clearly faster: the new best
@@ -422,8 +429,8 @@ def test_publish_refuses_a_report_that_is_not_best(tmp_path):
     (best / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     write_json_atomic(best / "eval.json", bench_result(9, 2.0))
     write_json_atomic(tmp_path / "run" / "report.json", {"base": {}, "best": bench_result(6, 1.5), "best_step": 6})
-    from distill.hub import PublishError
-    from distill.publish_source import resolve_source
+    from distill.publishing.hub import PublishError
+    from distill.publishing.publish_source import resolve_source
 
     for source in (tmp_path / "run", best):
         with pytest.raises(PublishError, match="report.json states other figures than best/eval.json"):
@@ -621,7 +628,7 @@ import sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from tests.procs import load_script
-from distill import loop
+from distill.training import loop
 distill = load_script("train/distill.py")
 step_s, hold_at = float(sys.argv[2]), int(sys.argv[3])
 evaluate = loop.evaluate_checkpoint
@@ -708,7 +715,7 @@ def test_signals_in_training_wait_for_the_step_and_cut_an_evaluation_short(tmp_p
     REPEAT_S after the first stops at once and saves nothing; unarmed (loading) it stops at once."""
     from accelerate import PartialState
 
-    from distill import interrupt
+    from distill.training import interrupt
 
     monkeypatch.setattr(interrupt, "REPEAT_S", 0.5)
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
@@ -887,7 +894,8 @@ def test_sigterm_to_two_processes_saves_the_same_step_on_both(tmp_path):
 def test_sigterm_stops_the_pretraining_child(tmp_path):
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); "
-        "from distill.pretraining import ensure_quickstart_pair; ensure_quickstart_pair(cache_dir=sys.argv[2])"
+        "from distill.training.pretraining import ensure_quickstart_pair; "
+        "ensure_quickstart_pair(cache_dir=sys.argv[2])"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     parent = subprocess.Popen([sys.executable, "-c", code, str(REPO), str(tmp_path / "cache")], env=env)
@@ -913,7 +921,7 @@ def test_an_evaluation_that_fails_keeps_the_training_and_resume_evaluates_it(tmp
     """The one evaluation (eval.at_start false, at the last step) raises: the run stops with one error line naming
     the step, the traceback file and --resume; the step's training state is saved (resume-only, pending
     evaluation), and --resume evaluates step 4 and finishes without training again."""
-    from distill import loop
+    from distill.training import loop
 
     paths = tiny_run_paths(tmp_path / "assets")
     recipe = tiny_recipe(paths, tmp_path / "run", {"max_new_tokens": 8}, {"max_steps": 4, "batch_size": 2},

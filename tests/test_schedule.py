@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from distill import rollouts
 from distill.config import DistillConfig, RecipeError, TrainConfig, load_recipe
-from distill.schedule import (
+from distill.data import rollouts
+from distill.training.schedule import (
     GenerationWatch,
     TrainClock,
     budget_progress,
@@ -248,7 +248,7 @@ def pair(tmp_path_factory) -> dict:
 
 def test_rollout_source_schedule_gives_target_then_draft_rollouts(pair, tmp_path):
     from distill.config import DataConfig, ModelConfig
-    from distill.data import encode_examples, load_train_eval
+    from distill.data.prompts import encode_examples, load_train_eval
     from distill.models import load_draft, load_target, load_tokenizer
 
     tok = load_tokenizer(str(pair["target"]), ModelConfig(), key="target.model")

@@ -1,4 +1,4 @@
-"""Training over the draft vocabulary (distill.subset_loss, distill.loss_vocab=subset)."""
+"""Training over the draft vocabulary (distill.training.subset_loss, distill.loss_vocab=subset)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from distill import losses
 from distill.config import RecipeError, load_recipe
-from distill.distributed import check_engine
-from distill.subset_loss import index_of, restrict_top_k, restricted, swapped_head
+from distill.training import losses
+from distill.training.distributed import check_engine
+from distill.training.subset_loss import index_of, restrict_top_k, restricted, swapped_head
 from tests.tiny import tiny_llama
 
 V, K = 40, 6

@@ -1,4 +1,4 @@
-"""distill.teacher_cache: the target's top-k rows kept for sequences that come back, and the loss on them."""
+"""distill.training.teacher_cache: the target's top-k rows kept for sequences that come back, and the loss on them."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from distill import losses
 from distill.config import RecipeError, load_recipe
-from distill.data import collate_training
-from distill.teacher_cache import TeacherCache, sequence_key, teacher_rows, top1_agreement_top_k
+from distill.data.prompts import collate_training
+from distill.training import losses
+from distill.training.teacher_cache import TeacherCache, sequence_key, teacher_rows, top1_agreement_top_k
 from tests.procs import run_distill, tiny_recipe, tiny_run_paths
 from tests.tiny import tiny_llama
 
@@ -161,7 +161,7 @@ def test_fused_top_k_forward_kl_matches_the_unfused_form(monkeypatch, chunk, dty
 
 def test_each_process_keeps_its_share_of_the_prompts_across_epochs():
     from distill.config import TrainConfig
-    from distill.training import batch_indices
+    from distill.training.helpers import batch_indices
 
     cfg = TrainConfig(batch_size=3, grad_accum=2, seed=5)
     n, world = 23, 2

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from distill import losses
-from distill.checkpoints import CheckpointInfo, load_infos
 from distill.config import RecipeError, load_recipe
+from distill.training import losses
+from distill.training.checkpoints import CheckpointInfo, load_infos
 from tests.procs import load_script, run_distill
 from tests.tiny import make_pair, make_prompts
 

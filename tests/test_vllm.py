@@ -117,7 +117,7 @@ def test_served_acceptance_is_compared_position_by_position_beyond_noise(tmp_pat
     """Two engines' per-position acceptance differs when the gap exceeds the kernels' tolerance plus 3 standard
     errors of the counts: a served draft that reads the wrong layers accepts far less and is warned about and
     recorded in report.json; the same draft in two engines (a 0.02 gap on 400 drafts) is not."""
-    from distill.engines import acceptance_gaps, record_served_acceptance
+    from distill.training.engines import acceptance_gaps, record_served_acceptance
 
     ours = {"per_position_acceptance": [0.8, 0.6, 0.5], "per_position_judged": [400, 320, 190]}
     same = {"per_position_acceptance": [0.78, 0.61, 0.47], "per_position_judged": [400, 312, 190]}
@@ -328,7 +328,7 @@ def test_draftsmith_as_extra_engine_next_to_vllm(tmp_path, padded_pair):
     import shutil
 
     from decode.prompts import load_prompts
-    from distill.engines import measure_extra_engines
+    from distill.training.engines import measure_extra_engines
 
     target, draft, prompt_file = padded_pair
     best = tmp_path / "best"
@@ -350,7 +350,7 @@ def test_draftsmith_extra_engine_loads_the_targets_revision(tmp_path, padded_pai
     from huggingface_hub import constants
 
     from decode.prompts import load_prompts
-    from distill.engines import measure_extra_engines
+    from distill.training.engines import measure_extra_engines
 
     target, draft, prompt_file = padded_pair
     revision = "0123456789abcdef0123456789abcdef01234567"
@@ -389,7 +389,7 @@ def test_extra_engine_measures_best_in_vllm(vllm_ok, tmp_path, padded_pair):
     import shutil
 
     from decode.prompts import load_prompts
-    from distill.engines import measure_extra_engines
+    from distill.training.engines import measure_extra_engines
 
     target, draft, prompt_file = padded_pair
     best = tmp_path / "best"
@@ -414,7 +414,7 @@ def test_training_eval_with_vllm_measures_the_draft_as_served(vllm_ok, tmp_path,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from decode.prompts import load_prompts
-    from distill.training import evaluate
+    from distill.training.helpers import evaluate
 
     target_dir, draft_dir, prompt_file = padded_pair
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
@@ -457,7 +457,7 @@ def test_published_draft_loads_in_vllm_unchanged(vllm_ok, tmp_path, padded_pair)
     from decode.bench import run_bench
     from decode.prompts import load_prompts
     from distill.config import save_recipe
-    from distill.publish import build_publish_folder
+    from distill.publishing.publish import build_publish_folder
 
     target_dir, draft_dir, prompt_file = padded_pair
     prompts = load_prompts(prompt_file)
@@ -634,18 +634,19 @@ def fitted_eagle3_head(
     block: int | None = None,
     lr: float = 1e-2,
 ) -> Path:
-    """An EAGLE-3 head (a P-EAGLE head of ``block`` tokens if given) fitted for ``steps`` steps (distill.eagle3_train's
-    step loss, float32) to the saved target's greedy continuations of ``prompts``, so that it proposes what the
-    target writes there and accepts most of its drafts. Its draft vocabulary: the whole vocabulary (``every=1``:
-    padding included, saved without d2t), or every other id plus every id the target writes on the prompts
-    (``every=2``: d2t offsets not all zero)."""
+    """An EAGLE-3 head (a P-EAGLE head of ``block`` tokens if given) fitted for ``steps`` steps
+    (distill.training.eagle3_train's step loss, float32) to the saved target's greedy continuations of ``prompts``,
+    so that it proposes what the target writes there and accepts most of its drafts. Its draft vocabulary: the
+    whole vocabulary (``every=1``: padding included, saved without d2t), or every other id plus every id the target
+    writes on the prompts (``every=2``: d2t offsets not all zero)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from decode.kinds import eagle3
     from decode.prompts import encode_prompts
     from decode.speculative import target_generate
-    from distill import data, eagle3_train
     from distill.config import DistillConfig
+    from distill.data.prompts import collate_training
+    from distill.training import eagle3_train
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().requires_grad_(False)
     ids = encode_prompts(AutoTokenizer.from_pretrained(target_dir), prompts)
@@ -660,7 +661,7 @@ def fitted_eagle3_head(
         head = peagle.with_mask(head, block_size=block, mask_token_id=VOCAB - 1)
     model = eagle3_train.Unrolled(head)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    batch = data.collate_training(pairs, 0)
+    batch = collate_training(pairs, 0)
     for _ in range(steps):
         loss, _ = eagle3_train.step_loss(model, target, batch, DistillConfig())
         optimizer.zero_grad()
@@ -721,7 +722,7 @@ def served_as_trained(target: str, draft: str, best: Path, prompt_file: str, kin
     from decode.bench import run_bench
     from decode.kinds import eagle3
     from decode.prompts import load_prompts
-    from distill.engines import acceptance_gaps, measure_extra_engines
+    from distill.training.engines import acceptance_gaps, measure_extra_engines
 
     (best / "eval.json").write_text(json.dumps({"engine": "draftsmith", "dtype": "float32"}))
     overrides = [f"target.model={target}", f"draft.model={draft}", "eval.max_new_tokens=24",
@@ -808,14 +809,14 @@ def fitted_pard_draft(target_dir: str, draft_dir: str, out: Path, prompts: list[
     from decode.kinds import pard
     from decode.prompts import encode_prompts
     from decode.speculative import target_generate
-    from distill import data
+    from distill.data.prompts import collate_training
     from distill.kinds.pard import block_loss
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     ids = encode_prompts(tokenizer, prompts)
     pairs = [(p, target_generate(target, torch.tensor([p]), max_new_tokens=32).new_tokens[0]) for p in ids]
-    batch = data.collate_training(pairs, 0, loss_positions="all")
+    batch = collate_training(pairs, 0, loss_positions="all")
     with torch.no_grad():
         teacher = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     torch.manual_seed(0)

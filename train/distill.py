@@ -18,7 +18,7 @@ highest measured speedup beyond the timing noise: a later checkpoint replaces it
 95% speedup interval is above best's speedup (within the noise, the more tokens per target pass win: tau, then the
 later step). train.max_minutes counts the training clock: training steps and the generation of their data, not
 evaluation, checkpoints or loading; it continues across --resume. Ctrl-C or SIGTERM stops a run after its
-current step and saves that step's resume state (distill/interrupt.py); an evaluation is cut short at once.
+current step and saves that step's resume state (distill/training/interrupt.py); an evaluation is cut short at once.
 
 From Python: `main(argv, on_step=callback)` calls `callback(StepReport)` after every optimizer step.
 """
@@ -39,12 +39,21 @@ sys.path.insert(0, str(REPO))  # run from a source checkout without installing
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from distill import interrupt  # noqa: E402
-from distill.build import build_accelerator, build_data, build_source, pregenerate, resume_state  # noqa: E402
-from distill.checkpoints import DiskFullError, newest_checkpoint  # noqa: E402
 from distill.config import Recipe, RecipeError, dump_recipe, load_recipe, save_recipe, to_dict  # noqa: E402
-from distill.engines import measure_extra_engines  # noqa: E402
-from distill.loop import (  # noqa: E402
+from distill.training import interrupt  # noqa: E402
+from distill.training.build import build_accelerator, build_data, build_source, pregenerate, resume_state  # noqa: E402
+from distill.training.checkpoints import DiskFullError, newest_checkpoint  # noqa: E402
+from distill.training.engines import measure_extra_engines  # noqa: E402
+from distill.training.helpers import (  # noqa: E402
+    MetricsLog,
+    Timer,
+    batch_indices,
+    build_optimizer,
+    fail,
+    param_checksum,
+    step_generator,
+)
+from distill.training.loop import (  # noqa: E402
     CheckpointContext,
     EvaluationFailed,
     NonFiniteLoss,
@@ -59,16 +68,7 @@ from distill.loop import (  # noqa: E402
     time_is_up,
     write_report,
 )
-from distill.run_state import RunState, check_resume_recipe, prepare_output_dir, run_inputs  # noqa: E402
-from distill.training import (  # noqa: E402
-    MetricsLog,
-    Timer,
-    batch_indices,
-    build_optimizer,
-    fail,
-    param_checksum,
-    step_generator,
-)
+from distill.training.run_state import RunState, check_resume_recipe, prepare_output_dir, run_inputs  # noqa: E402
 
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
@@ -111,8 +111,8 @@ def resolve_local_artifacts(recipe: Recipe, rebuild: bool, is_main: bool) -> Non
     if recipe.build_pair != "quickstart":
         return
     from distill import kinds
-    from distill.pretraining import ensure_quickstart_pair, quickstart_cache_dir
-    from distill.quickstart import ensure_stdlib_prompts
+    from distill.data.quickstart import ensure_stdlib_prompts
+    from distill.training.pretraining import ensure_quickstart_pair, quickstart_cache_dir
 
     needs_draft = kinds.get(recipe.draft.kind).LOADS_DRAFT_MODEL  # else the draft is built from the target
     if rebuild or not (recipe.target.model and (recipe.draft.model or not needs_draft)):
@@ -151,7 +151,9 @@ def main(argv: list[str] | None = None, on_step: Callable[[StepReport], None] | 
 def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport], None] | None = None) -> None:
     from accelerate.utils import set_seed
 
-    from distill import data, distributed, draft_init, kinds, models, preflight, schedule
+    from distill import draft_init, kinds, models
+    from distill.data.prompts import collate_training
+    from distill.training import distributed, preflight, schedule
 
     # ---- setup
     kind = kinds.get(recipe.draft.kind)  # how this draft is built, trained, evaluated and saved (distill/kinds/)
@@ -260,7 +262,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                         check_weights_finite(draft, step, ckpt_root)  # diverged weights make sampling fail first
                         raise
                     tally.rollout_s += time.perf_counter() - g0
-                    batch = data.collate_training(
+                    batch = collate_training(
                         pairs, tokenizer.pad_token_id, device=accelerator.device,
                         loss_positions=recipe.distill.loss_positions,
                     )  # fmt: skip
@@ -313,7 +315,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process and recipe.publish.push_to_hub:
-        from distill.publish import publish
+        from distill.publishing.publish import publish
 
         print(f"published: {publish(out / 'best', recipe.publish.repo_id, private=recipe.publish.private)}")
 

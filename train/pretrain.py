@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(dump_recipe(recipe), end="")
             return 0
-        from distill.pretraining import pretrain
+        from distill.training.pretraining import pretrain
 
         pretrain(recipe, progress=not args.no_progress, mixed_precision=args.mixed_precision)
     except (RecipeError, ValueError, FileNotFoundError, OSError) as e:

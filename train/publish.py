@@ -25,7 +25,7 @@ from pathlib import Path
 # The repo root first: run as a script, this folder (which holds train/distill.py) would shadow the package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from distill.publish import PublishError, publish  # noqa: E402
+from distill.publishing.publish import PublishError, publish  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

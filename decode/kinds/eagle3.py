@@ -281,7 +281,7 @@ class Eagle3Head(nn.Module):
         Args:
             ids: [B, S] the training sequence; features: [B, S, 3 * H_target] the target's aux hidden states.
             position_ids: [B, S]; key_valid: [B, S] bool, False on padding, which must be on the right (as
-                :func:`distill.data.collate_training` pads): a real position then never sees a padding key.
+                :func:`distill.data.prompts.collate_training` pads): a real position then never sees a padding key.
             recompute: keep only each step's layer inputs for the backward and run the layer again there
                 (activation checkpointing; the output layer is not rerun): less memory, the same numbers.
 

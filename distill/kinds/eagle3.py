@@ -3,8 +3,8 @@
 There is no draft LM to load: the head is built from the target once the target's continuations are generated,
 because its draft vocabulary is counted on them (or started from an EAGLE-3 head folder in draft.model, or from
 the newest checkpoint on --resume). Each step feeds it the target's hidden states and logits of the batch
-(``distill.eagle3_train.step_loss``, which holds the numerics); it trains as an :class:`Unrolled` module and is
-evaluated and saved as the head itself, in the layout vLLM and SGLang load (decoding side:
+(``distill.training.eagle3_train.step_loss``, which holds the numerics); it trains as an :class:`Unrolled` module
+and is evaluated and saved as the head itself, in the layout vLLM and SGLang load (decoding side:
 ``decode.kinds.eagle3``). It needs the target's states to draft, so it neither speeds up the target's rollouts
 nor runs in HF assisted generation.
 """
@@ -20,11 +20,12 @@ from torch import nn
 
 from decode.kinds import eagle3 as decoding
 from decode.kinds import eagle3_formats
-from distill import eagle3_train, models
+from distill import models
 from distill.config import Recipe
-from distill.data import draft_vocabulary
+from distill.data.prompts import draft_vocabulary
 from distill.kinds.interface import StepLoss
-from distill.teacher_cache import sequence_key
+from distill.training import eagle3_train
+from distill.training.teacher_cache import sequence_key
 
 NAME = decoding.NAME
 DESCRIPTION = "an EAGLE-3 head"

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from decode.kinds import pard as decoding
-from distill import losses, models
+from distill import models
 from distill.config import Recipe
 from distill.kinds.interface import StepLoss
 from distill.kinds.standalone import (  # the same as a standalone draft's
@@ -27,6 +27,7 @@ from distill.kinds.standalone import (  # the same as a standalone draft's
     generation_recorder,
     served,
 )
+from distill.training import losses
 
 NAME = decoding.NAME
 DESCRIPTION = "a PARD draft LM"

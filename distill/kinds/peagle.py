@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from decode.kinds import peagle as decoding
-from distill import eagle3_train, models
+from distill import models
 from distill.config import Recipe
 from distill.kinds.eagle3 import build_draft as build_chain_draft
 from distill.kinds.eagle3 import (  # the same as an EAGLE-3 head's
@@ -30,6 +30,7 @@ from distill.kinds.eagle3 import (  # the same as an EAGLE-3 head's
     save_checkpoint,
     served,
 )
+from distill.training import eagle3_train
 
 NAME = decoding.NAME
 DESCRIPTION = "a P-EAGLE head"

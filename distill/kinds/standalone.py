@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from decode.kinds import standalone
-from distill import losses, models, subset_loss, teacher_cache
+from distill import models
 from distill.config import Recipe
-from distill.data import draft_vocabulary, vocabulary_text
+from distill.data.prompts import draft_vocabulary, vocabulary_text
 from distill.kinds.interface import StepLoss
+from distill.training import losses, subset_loss, teacher_cache
 
 NAME = standalone.NAME
 DESCRIPTION = "a standalone draft LM"
@@ -30,8 +31,8 @@ GENERATES_ROLLOUTS = True
 
 
 def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:
-    """draft.model must be a causal LM, not an EAGLE-3 head folder; distill.preflight checks its vocabulary against
-    the target's as for any draft LM."""
+    """draft.model must be a causal LM, not an EAGLE-3 head folder; distill.training.preflight checks its vocabulary
+    against the target's as for any draft LM."""
     if recipe.draft.model and recipe.draft.init != "truncate":
         check_not_a_head(recipe.draft.model)
 
@@ -167,7 +168,7 @@ def step_loss(
     rows from an earlier epoch; on-policy sequences are scored but not kept (they never come back).
 
     `position` (distill.loss_vocab=subset): the student's logits are over the draft vocabulary (plus its absent
-    column) and the teacher's top-k rows are mapped there (distill.subset_loss.restrict_top_k)."""
+    column) and the teacher's top-k rows are mapped there (distill.training.subset_loss.restrict_top_k)."""
     cfg, mask = recipe.distill, batch["loss_mask"]
     keep = not on_policy
     if position is not None and teachers is None:  # the top-k rows are computed for this step only

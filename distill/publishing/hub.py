@@ -1,6 +1,6 @@
 """Hugging Face Hub access for publishing: offline mode, the login check, the upload.
 
-Nothing here builds a folder (see distill.publish); every failure is a one-line `PublishError`.
+Nothing here builds a folder (see distill.publishing.publish); every failure is a one-line `PublishError`.
 """
 
 from __future__ import annotations

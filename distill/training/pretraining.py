@@ -29,7 +29,6 @@ import torch
 
 from decode import sources
 from decode.sources import is_gguf
-from distill.checkpoints import replace_dir
 from distill.config import (
     ArchConfig,
     PretrainRecipe,
@@ -39,13 +38,14 @@ from distill.config import (
     load_recipe,
     to_dict,
 )
-from distill.corpus import Corpus, PackedChunks, eval_windows, load_corpus, load_tokenizer, pack, train_tokenizer
+from distill.data.corpus import Corpus, PackedChunks, eval_windows, load_corpus, load_tokenizer, pack, train_tokenizer
 from distill.models import resolve_mixed_precision
-from distill.tracking import tracker_setup
+from distill.training.checkpoints import replace_dir
+from distill.training.tracking import tracker_setup
 
 MIN_LR_RATIO = 0.1  # the cosine ends at 10% of the peak learning rate
 VOCAB_MULTIPLE = 64  # a vocabulary sized to the tokenizer is rounded up to this (matmul-friendly)
-RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "pretrain"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "pretrain"
 PRETRAIN_SCRIPT = RECIPES.parents[1] / "train" / "pretrain.py"
 MARKER = "TRAINING.json"  # written last into a finished checkpoint; its presence marks a dir as ours
 

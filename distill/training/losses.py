@@ -15,7 +15,7 @@ Conventions (the same as TRL's GKD trainer and the GKD / DistillSpec papers):
 Every loss is a mean over the positions where ``mask`` is non-zero, i.e. per completion token; padding and
 prompt positions cost nothing (not even compute: they are dropped before the softmax). ``mask`` is aligned with
 the *logits* positions: ``mask[b, t] = 1`` when ``logits[b, t]`` predicts a completion token (token t + 1),
-which is exactly the ``loss_mask`` that :func:`distill.data.collate_training` builds. An all-zero mask raises
+which is exactly the ``loss_mask`` that :func:`distill.data.prompts.collate_training` builds. An all-zero mask raises
 ``ValueError``: a batch without a single completion token is always a bug upstream (typically padding masked
 by token id where pad == eos), and a silent 0 would hide it.
 
@@ -85,7 +85,8 @@ def _kept_positions(
     if not bool(keep.any()):
         raise ValueError(
             "mask selects no completion tokens: every position is prompt or padding. Build the mask from "
-            "completion lengths (distill.data.collate_training), never by comparing token ids with pad_token_id"
+            "completion lengths (distill.data.prompts.collate_training), never by comparing token ids with "
+            "pad_token_id"
         )
     return keep, shared
 
@@ -370,8 +371,8 @@ def distill_loss_top_k(
     vocab_size: int | None = None,
 ) -> torch.Tensor:
     """`distill_loss` with `top_k` against a teacher given as its top-k ids and log-probabilities (from
-    :func:`teacher_top_k`, e.g. kept from an earlier epoch, distill.teacher_cache), one row per masked position
-    in row-major order (the order `mask` selects them in).
+    :func:`teacher_top_k`, e.g. kept from an earlier epoch, distill.training.teacher_cache), one row per masked
+    position in row-major order (the order `mask` selects them in).
 
     student_logits [batch, seq, V], mask [batch, seq], top_ids [tokens, k], log_pt [tokens, k + 1] -> 0-dim mean.
     """

@@ -10,7 +10,7 @@ of what users ask: training prompts that follow the target's distribution, with 
 
 Generated rows are `{"id", "messages": [{"role": "user", "content": ...}], "source"}`, deduplicated, and cached
 as JSONL under the run's cache dir keyed by the target and every generation setting, so reruns and --resume
-reuse them. The eval prompts are held out by the content-hash split of distill.data (or come from
+reuse them. The eval prompts are held out by the content-hash split of distill.data.prompts (or come from
 `data.eval_prompts`); no training prompt equals an eval prompt. The held-out rows are also written next to the
 cache as `prompts-<key>.eval.jsonl`, a prompt file for `python -m decode bench --prompts`.
 """
@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from decode.prompts import expand_turns, jsonl_text, write_jsonl
+from decode.prompts import expand_turns, jsonl_text, read_jsonl, write_jsonl
 from decode.speculative import target_generate
-from distill import data
 from distill.config import DataConfig
-from distill.distributed import place
+from distill.data import prompts
+from distill.training.distributed import place
 
 PREFIX = "generate:"
 SOURCES = ("magpie", "stdlib")
@@ -198,7 +198,7 @@ def stdlib_prompts(n: int, seed: int) -> list[str]:
     Files are visited in a seeded hash order and parsed only until `n` instructions are found (parsing the whole
     library takes a while), so a seed gives a fixed set drawn from across the library.
     """
-    from distill.corpus import stdlib_files
+    from distill.data.corpus import stdlib_files
 
     found: dict[str, None] = {}
     files = sorted(stdlib_files(), key=lambda f: hashlib.sha1(f"{seed}:{f[0]}".encode()).digest())
@@ -263,7 +263,7 @@ def cached_rows(cfg: DataConfig, target: torch.nn.Module, tokenizer: Any, *, tar
         require_chat_template(tokenizer, f"data.train_prompts {cfg.train_prompts!r}")
     path = Path(cache_dir) / f"prompts-{cache_key(target_name, cfg, seed)}.jsonl"
     if path.is_file():
-        return data.read_jsonl(path)
+        return read_jsonl(path)
     rows = generate_rows(cfg, target, tokenizer, seed, accelerator)
     if len(rows) < 2:
         raise ValueError(
@@ -310,7 +310,8 @@ def load_train_eval(
     seed: int,
     accelerator: Any = None,
 ) -> tuple[list[dict], list[dict]]:
-    """(train rows, eval rows) for `data`: generated when `train_prompts` is `generate:...`, else distill.data's.
+    """(train rows, eval rows) for `data`: generated when `train_prompts` is `generate:...`, else those of
+    distill.data.prompts.
 
     Eval rows are `data.eval_prompts` when set, else the content-hash split (`data.eval_split`) of the rows;
     a multi-turn conversation then becomes one prompt per assistant turn (decode.prompts.expand_turns), and
@@ -318,16 +319,16 @@ def load_train_eval(
     `accelerator` and generated prompts, every process must call it: they sample the Magpie prompts together.
     """
     if not is_generated(cfg.train_prompts):
-        train, evals = data.load_train_eval(cfg)
+        train, evals = prompts.load_train_eval(cfg)
     else:
         rows = cached_rows(
             cfg, target, tokenizer, target_name=target_name, cache_dir=cache_dir, seed=seed, accelerator=accelerator
         )
         if cfg.eval_prompts:
-            evals = data.load_rows(cfg.eval_prompts, key="data.eval_prompts", prompt_field=cfg.prompt_field)
+            evals = prompts.load_rows(cfg.eval_prompts, key="data.eval_prompts", prompt_field=cfg.prompt_field)
             train = rows
         else:
-            train, evals = data.split_rows(rows, cfg.eval_split, cfg.prompt_field)
+            train, evals = prompts.split_rows(rows, cfg.eval_split, cfg.prompt_field)
             if not evals:
                 raise ValueError(
                     "data.eval_split is 0 with generated prompts: set data.eval_split or data.eval_prompts"

@@ -41,7 +41,7 @@ class StopRequested(KeyboardInterrupt):
 @dataclass
 class _Armed:
     accelerator: Any
-    state: Any  # distill.run_state.RunState
+    state: Any  # distill.training.run_state.RunState
     step: Callable[[], int]  # the optimizer steps completed so far
     save: Callable[[int], None]  # the resume-only checkpoint of a step (collective: every process calls it)
 
@@ -170,7 +170,7 @@ def stopped(err: BaseException) -> str:
 
 
 def _save(armed: _Armed, step: int) -> str:
-    from distill.checkpoints import newest_checkpoint
+    from distill.training.checkpoints import newest_checkpoint
 
     root = armed.state.ckpt_root
     newest = newest_checkpoint(root) if armed.accelerator.is_main_process else None
@@ -202,7 +202,7 @@ def _pending(checkpoint: Any) -> bool:
 
 
 def _continues(armed: _Armed) -> str:
-    from distill.checkpoints import newest_checkpoint
+    from distill.training.checkpoints import newest_checkpoint
 
     found = newest_checkpoint(armed.state.ckpt_root)
     return f"--resume continues from {armed.state.ckpt_root.name}/step-{found[0]}" if found else "--resume starts over"

@@ -11,7 +11,7 @@ files only.
 * the pair's vocabularies: the same tokens, and output widths that cover the target's tokenizer (the decoder's
   rule, :func:`decode.compat.check_vocab_compatible`, applied to the configs);
 * the prompt files: each one there, every row of a JSONL file valid JSON and a {"prompt"}, {"messages"} or
-  {"conversations"} row (:func:`distill.data.check_prompt_source`), a `generate:` spec one that exists;
+  {"conversations"} row (:func:`distill.data.prompts.check_prompt_source`), a `generate:` spec one that exists;
 * chat prompts ('messages' rows, generate:magpie) need the target's chat template;
 * a standalone draft is not an EAGLE-3 head folder; for draft.kind=eagle3, the target's forward returns its
   per-layer hidden states (probed on one token of a weightless, meta-device copy), and a head folder in
@@ -30,9 +30,10 @@ from typing import Any
 from decode import sources
 from decode.compat import check_vocab_compatible
 from decode.prompts import read_jsonl
-from distill import kinds, models, prompt_gen
+from distill import kinds, models
 from distill.config import DataConfig, ModelConfig, Recipe
-from distill.data import check_prompt_source
+from distill.data import prompt_gen
+from distill.data.prompts import check_prompt_source
 
 
 def check_inputs(recipe: Recipe) -> None:

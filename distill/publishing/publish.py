@@ -15,9 +15,9 @@ The figures describe the uploaded weights: a QLoRA checkpoint (measured on a 4-b
 is re-measured on the merged folder before the upload, unless `remeasure=False` (then the card says so).
 
 `build_publish_folder` does everything but the upload; `push_folder` uploads; `publish` is both (or a dry
-run). Every user-facing failure is a `PublishError` whose message is one line. The pieces live in
-distill.publish_source (what to publish, name checks, path scrubbing), distill.draft_folder (weights, vocab,
-tokenizer), distill.card (README.md) and distill.hub (the Hub).
+run). Every user-facing failure is a `PublishError` whose message is one line. The pieces live beside it in
+distill.publishing: publish_source (what to publish, name checks, path scrubbing), draft_folder (weights, vocab,
+tokenizer), card (README.md) and hub (the Hub).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from decode.draft_vocab import load_saved_head
 from decode.kinds.eagle3 import is_eagle3
 from decode.kinds.eagle3_formats import block_of
 from decode.metrics import best_gamma
-from distill.card import engine_of, render_model_card, slower_than_target
-from distill.draft_folder import (
+from distill.publishing.card import engine_of, render_model_card, slower_than_target
+from distill.publishing.draft_folder import (
     assistant_settings,
     copy_tokenizer,
     declared_dtype,
@@ -47,7 +47,7 @@ from distill.draft_folder import (
     load_merged_draft,
     recipe_get,
 )
-from distill.hub import (
+from distill.publishing.hub import (
     OFFLINE_MSG,
     PublishError,
     check_hub_access,
@@ -56,7 +56,7 @@ from distill.hub import (
     is_hub_id,
     upload_folder,
 )
-from distill.publish_source import (
+from distill.publishing.publish_source import (
     PublishSource,
     check_name_words,
     check_plain_draft_config,
@@ -128,14 +128,14 @@ def eval_not_on_upload(src: PublishSource) -> str | None:
 
 def _eval_prompts(recipe_path: Path, limit: int) -> list[dict]:
     """The first `limit` eval prompts of the run's resolved recipe (as train/distill.py chose them)."""
-    from distill import data
     from distill.config import load_recipe
+    from distill.data.prompts import load_rows, load_train_eval
 
     cfg = load_recipe(recipe_path).data
     if cfg.eval_prompts:
-        rows = data.load_rows(cfg.eval_prompts, key="data.eval_prompts", prompt_field=cfg.prompt_field)
+        rows = load_rows(cfg.eval_prompts, key="data.eval_prompts", prompt_field=cfg.prompt_field)
     else:
-        rows = data.load_train_eval(cfg)[1]
+        rows = load_train_eval(cfg)[1]
     return rows[:limit]
 
 
@@ -170,7 +170,7 @@ def remeasure(folder: Path, src: PublishSource, repo_id: str, reason: str, promp
     from decode.draft_vocab import load_ids
     from distill import models
     from distill.config import load_recipe
-    from distill.engines import bench_by_recipe
+    from distill.training.engines import bench_by_recipe
 
     recipe = load_recipe(src.recipe_path)
     try:
@@ -273,7 +273,7 @@ def draft_trust(recipe: dict) -> bool:
 
 
 def warn_if_slower(info: dict) -> None:
-    """Say at publish time that the draft makes its target slower; the card says it too (distill.card)."""
+    """Say at publish time that the draft makes its target slower; the card says it too (distill.publishing.card)."""
     speedup = slower_than_target(info["best"])
     if speedup is not None:
         log.warning(
@@ -476,7 +476,7 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
 
 def _write_card_files(src: PublishSource, dest: Path, repo_id: str, info: dict) -> None:
     """The scrubbed figures (draftsmith_eval.json), the resolved recipe as it reruns elsewhere
-    (:func:`distill.publish_source.reproducible_recipe`) and the model card (README.md)."""
+    (:func:`distill.publishing.publish_source.reproducible_recipe`) and the model card (README.md)."""
     import yaml
 
     warn_if_slower(info)

@@ -19,13 +19,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from distill import distributed, interrupt
-from distill.checkpoints import as_disk_error, newest_checkpoint, write_json_atomic
 from distill.config import Recipe
-from distill.hub import first_line
 from distill.kinds import StepLoss
-from distill.run_state import RunState
-from distill.training import (
+from distill.publishing.hub import first_line
+from distill.training import distributed, interrupt
+from distill.training.checkpoints import as_disk_error, newest_checkpoint, write_json_atomic
+from distill.training.helpers import (
     MetricsLog,
     Timer,
     eval_metrics,
@@ -35,6 +34,7 @@ from distill.training import (
     read_samples,
     summary_table,
 )
+from distill.training.run_state import RunState
 
 EVAL_ERROR = "eval_error.txt"  # in the run directory: the traceback of an evaluation that failed
 

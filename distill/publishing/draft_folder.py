@@ -1,6 +1,6 @@
 """The draft's files in a publish folder: merged weights, the target's vocabulary size, generation config, tokenizer.
 
-Used by distill.publish; each function works on a loaded model or a folder and knows nothing of the Hub.
+Used by distill.publishing.publish; each function works on a loaded model or a folder and knows nothing of the Hub.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from distill.hub import PublishError, first_line
-from distill.publish_source import PublishSource, read_json
+from distill.publishing.hub import PublishError, first_line
+from distill.publishing.publish_source import PublishSource, read_json
 
 log = logging.getLogger("draftsmith.publish")
 

@@ -29,16 +29,16 @@ from torch import nn
 
 from decode.compat import text_config
 from decode.kinds import eagle3
-from distill import losses
 from distill.config import EAGLE3_VOCAB, DistillConfig, Recipe
-from distill.teacher_cache import sequence_key
+from distill.training import losses
+from distill.training.teacher_cache import sequence_key
 
 logger = logging.getLogger(__name__)
 
 # Tail mass below this is treated as this (log = -69), so that a draft vocabulary covering every token gives finite
-# log-probabilities whose KL terms are 0 (distill.losses uses the same floor).
+# log-probabilities whose KL terms are 0 (distill.training.losses uses the same floor).
 _TAIL_FLOOR = 1e-30
-_LOGIT_FLOOR = -1e4  # -inf logits (masked) give p = 0 and a finite log p, as in distill.losses
+_LOGIT_FLOOR = -1e4  # -inf logits (masked) give p = 0 and a finite log p, as in distill.training.losses
 
 
 class Unrolled(nn.Module):
@@ -281,7 +281,8 @@ def target_side(
     keys: Sequence[bytes] | None = None,
 ) -> TargetSide:
     """The target's side of a batch: from ``cache`` when it holds every row (``keys``: one
-    :func:`distill.teacher_cache.sequence_key` per row), else from one forward of the target, kept in ``cache``."""
+    :func:`distill.training.teacher_cache.sequence_key` per row), else from one forward of the target, kept in
+    ``cache``."""
     valid = batch["attention_mask"].bool()
     if cache is not None and keys is not None:
         found = cache.batch(keys, valid, head.draft_ids)
@@ -311,8 +312,8 @@ def step_loss(
 
     Args:
         model: the prepared :class:`Unrolled` (DDP-wrapped or not).
-        batch: :func:`distill.data.collate_training`'s right-padded batch; its loss_mask (distill.loss_positions)
-            selects which predicted tokens count, as for a standalone draft.
+        batch: :func:`distill.data.prompts.collate_training`'s right-padded batch; its loss_mask
+            (distill.loss_positions) selects which predicted tokens count, as for a standalone draft.
         cache, keys: distill.cache_teacher's :class:`TargetCache` and the batch's sequence keys.
     """
     head = head_of(getattr(model, "module", model))

@@ -21,7 +21,8 @@ from typing import Any
 
 import yaml
 
-from distill.checkpoints import (
+from distill.config import RecipeError, dump_recipe, save_recipe
+from distill.training.checkpoints import (
     TMP_PREFIX,
     CheckpointInfo,
     DiskFullError,
@@ -36,7 +37,6 @@ from distill.checkpoints import (
     steps_to_keep,
     write_json_atomic,
 )
-from distill.config import RecipeError, dump_recipe, save_recipe
 
 RUN_MARKER = "draftsmith-run.json"  # written into output_dir when a run starts: what --overwrite trusts
 LEGACY_RUN_FILES = ("resolved_recipe.yaml", "metrics.jsonl")  # a run from before the marker holds both
@@ -366,8 +366,8 @@ class RunState:
         # draft.vocab_subset: (ids, vocab, source, the token lists the ids came from)
         self.draft_vocab: tuple[list[int], int, str, list[list[int]]] | None = None
         self.resumed_step: int | None = None  # the checkpoint --resume continues from
-        # {"loss"} of the step whose evaluation an interrupt cut short (distill.interrupt): its checkpoint is saved
-        # as a resume-only one that says so, and --resume evaluates that step before training on
+        # {"loss"} of the step whose evaluation an interrupt cut short (distill.training.interrupt): its checkpoint is
+        # saved as a resume-only one that says so, and --resume evaluates that step before training on
         self.pending_eval: dict | None = None
 
     # ---- start
@@ -406,7 +406,7 @@ class RunState:
 
     def after_step(self, step: int, train_s: float, step_s: float) -> None:
         """The loop's bookkeeping after optimizer step `step`: the training clock (this process's timer) and its
-        minutes of steps (the clock all processes share, :attr:`distill.schedule.TrainClock.step_s`)."""
+        minutes of steps (the clock all processes share, :attr:`distill.training.schedule.TrainClock.step_s`)."""
         self.steps, self.train_s, self.clock.step_s = step, train_s, step_s
 
     def evaluate_first(self, at_start: bool) -> bool:

@@ -3,11 +3,11 @@
 A target-generated continuation is cached and comes back every epoch (`distill.source: target`), and dataset
 completions are fixed (`source: fixed`): the same token sequence, so the same teacher distributions. Keeping
 the teacher's top-k ids and its log-probabilities over them plus the tail bucket (`distill.top_k`, the same
-coarsening the loss uses without a cache, see distill.losses) lets the steps of later epochs skip the target's
+coarsening the loss uses without a cache, see distill.training.losses) lets the steps of later epochs skip the target's
 forward pass: they cost only the draft's forward and backward.
 
 Entries are keyed by the exact token ids of the sequence (prompt and completion) and hold one row per loss
-position, in order. Each process keeps the sequences of its own share of the prompts (distill.training.
+position, in order. Each process keeps the sequences of its own share of the prompts (distill.training.helpers.
 batch_indices gives a process the same share every epoch, so from the second epoch on every lookup hits);
 on-policy sequences (`source: draft`) are new every time and are not kept. Memory: per loss position, k int32 ids
 and k + 1 float16 log-probabilities (k = 64: 386 bytes; the reference pair's 3927 prompts on 2 processes: 0.11 GB
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from distill import losses
+from distill.training import losses
 
 
 def sequence_key(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> bytes:
@@ -84,12 +84,12 @@ def teacher_rows(
     runs on the other sequences only (right-padded rows: their logits do not depend on the batch).
 
     Args:
-        keys: one :func:`sequence_key` per row of `batch` (distill.data.collate_training's tensors).
+        keys: one :func:`sequence_key` per row of `batch` (distill.data.prompts.collate_training's tensors).
         keep: store the computed rows (False for on-policy sequences, which never come back).
 
     Returns:
         (ids [tokens, k], log p_T [tokens, k + 1], rows the target computed), the tokens of `batch["loss_mask"]`
-        in row-major order, as :func:`distill.losses.distill_loss_top_k` takes them.
+        in row-major order, as :func:`distill.training.losses.distill_loss_top_k` takes them.
     """
     found = [cache.get(k) for k in keys]
     missing = [i for i, entry in enumerate(found) if entry is None]

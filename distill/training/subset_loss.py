@@ -4,14 +4,14 @@ draftsmith's decoder drafts from the N tokens the target writes most often (deco
 distribution there is the softmax over those N logits alone. Training can use the same restriction: the head
 multiplies only those N rows of its weight (the rest of the vocabulary costs nothing in the forward, the backward
 and the loss), and the loss compares that N-token distribution with the target's, the teacher's probability of
-every other token going into the tail bucket of the top-k coarsening (distill.losses). On SmolLM2's 49152-token
-vocabulary a 2-layer draft's head is most of its training cost; with N = 8192 a step costs ~2.5x less.
+every other token going into the tail bucket of the top-k coarsening (distill.training.losses). On SmolLM2's
+49152-token vocabulary a 2-layer draft's head is most of its training cost; with N = 8192 a step costs ~2.5x less.
 
 The weight rows are the model's own (a view, not a copy), so training changes only those N rows as outputs; the
 head's other rows still score the hidden states of the untrained draft. HF assisted generation, vLLM and SGLang
 serve the full head, so checkpoints are saved with those rows replaced by one row fitted to score far below the
-trained ones (decode.draft_vocab.with_masked_head, in distill.run_state), its mass outside the N tokens measured on
-held-out text into draft_vocab.json. On SmolLM2 the head as trained made HF assisted generation 0.68x plain
+trained ones (decode.draft_vocab.with_masked_head, in distill.training.run_state), its mass outside the N tokens
+measured on held-out text into draft_vocab.json. On SmolLM2 the head as trained made HF assisted generation 0.68x plain
 `generate`, the masked one 1.10x (docs/smollm2.md).
 
     position = index_of(ids, vocab)                     # id -> column of the restricted logits

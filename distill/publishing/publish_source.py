@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from decode.kinds.eagle3 import is_eagle3
-from distill.hub import PublishError, is_hub_id
-from distill.run_state import stale_best
+from distill.publishing.hub import PublishError, is_hub_id
+from distill.training.run_state import stale_best
 
 # vLLM picks the speculative method from the draft's name or config when they name one of these (substring
 # match), so a repo named e.g. "gemma-eagle-draft" would be loaded as an EAGLE head instead of a draft model.

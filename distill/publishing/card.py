@@ -4,7 +4,7 @@ The metadata block (base_model, license, datasets, tags, ...) and the measured f
 evaluation results come from `ModelCardData` / `EvalResult`, so the Hub reads them; the body states the same
 figures for people, per measuring engine, with the launch lines for Transformers, vLLM and SGLang.
 
-`info` is the content of draftsmith_eval.json (built by distill.publish, already free of local paths):
+`info` is the content of draftsmith_eval.json (built by distill.publishing.publish, already free of local paths):
 target, base_model, repo figures (`best`, `base`, `engines`), gamma, hardware, prompts, notes, ...
 """
 
@@ -17,7 +17,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from decode.draft_length import is_tree_spec
 from decode.draft_vocab import MAX_MASS
-from distill.hub import is_hub_id
+from distill.publishing.hub import is_hub_id
 
 TAGS = ["speculative-decoding", "draft-model", "draftsmith"]
 ENGINE_NAMES = {"draftsmith": "draftsmith's speculative decoder (`python -m decode bench`)", "vllm": "vLLM"}

@@ -21,7 +21,7 @@ bos, eos and pad), and an EOS the model generated inside a completion is a real 
 Where the shift happens: `logits[:, t]` predicts `input_ids[:, t + 1]`. `collate_training` returns
 `loss_mask` aligned with the *logits*: `loss_mask[b, t] = 1` iff `input_ids[b, t + 1]` is a completion token,
 i.e. t in [len(prompt) - 1, len(prompt) + len(completion) - 2]. Feed `model(...).logits` and `loss_mask`
-straight into `distill.losses` — no slicing at the call site.
+straight into `distill.training.losses` — no slicing at the call site.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def load_rows(
         elif path.is_dir():
             ds = datasets.load_dataset(str(path))
         else:
-            from distill.hub import hub_offline
+            from distill.publishing.hub import hub_offline
 
             if source.startswith((".", "/", "~")) or source.count("/") > 1 or hub_offline():
                 why = " (HF_HUB_OFFLINE=1, so hub datasets cannot be fetched)" if hub_offline() else ""
@@ -133,7 +133,7 @@ def check_prompt_source(source: str, *, key: str, prompt_field: str = "prompt") 
         except ValueError as err:
             raise ValueError(f"{key}: {err}") from None
     elif not path.exists():
-        from distill.hub import hub_offline
+        from distill.publishing.hub import hub_offline
 
         offline = hub_offline()
         if offline or path.suffix == ".jsonl" or source.startswith((".", "/", "~")) or source.count("/") > 1:

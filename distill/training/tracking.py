@@ -27,7 +27,7 @@ def tracker_setup(
     """accelerate's `log_with` and `init_kwargs` for the recipe's tracker, W&B files under `output_dir`.
 
     `final_dir` is where `output_dir` ends up when it is a temporary directory renamed at the end (the
-    name shown to the user). `run_id` (distill.run_state.prepare_output_dir's) is the W&B run's id, with
+    name shown to the user). `run_id` (distill.training.run_state.prepare_output_dir's) is the W&B run's id, with
     `resume="allow"`: a resumed run logs into the run it continues. Raises RecipeError when the tracker is not
     installed (accelerate would drop it silently). With no W&B login, `wandb.init` raises instead of falling
     back; we switch to offline mode ourselves and say once how to upload the run later.

@@ -20,10 +20,9 @@ import torch
 from decode import kernels
 from decode.kinds import kind_of
 from distill import kinds
-from distill.checkpoints import speedup_ci95
 from distill.config import Recipe, TrainConfig
-from distill.engines import bench_by_recipe, evaluate_vllm
-from distill.tracking import tracker_setup, wandb_has_credentials  # noqa: F401 (re-exported)
+from distill.training.checkpoints import speedup_ci95
+from distill.training.engines import bench_by_recipe, evaluate_vllm
 
 # ---------------------------------------------------------------- trackers
 
@@ -130,7 +129,7 @@ def evaluate(
     wrapper = _drop_autocast_wrapper(draft)  # measured as served: no training-time autocast around its forward
     served = _served_draft(draft, target)
     try:
-        if recipe.eval.engine == "vllm":  # the same measurement inside vLLM (distill/engines.py)
+        if recipe.eval.engine == "vllm":  # the same measurement inside vLLM (distill/training/engines.py)
             return evaluate_vllm(target, draft, tokenizer, prompts, recipe, samples_out)
         result = bench_by_recipe(
             target,
@@ -250,7 +249,8 @@ def summary_table(base: dict | None, best: dict, best_step: int, clock: dict | N
 
 
 def clock_line(clock: dict) -> str:
-    """Where a run's minutes went, in one line, from report.json's `clock` (distill.run_state.RunClock.summary),
+    """Where a run's minutes went, in one line, from report.json's `clock`
+    (distill.training.run_state.RunClock.summary),
     e.g. "clock: 44.0 training minutes: 12.7 generating the target's data, 31.3 in 849 steps; 6.1 minutes
     evaluating (off the training clock)"."""
     return (

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from distill.checkpoints import write_json_atomic
 from distill.config import ModelConfig, Recipe, is_head
+from distill.training.checkpoints import write_json_atomic
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

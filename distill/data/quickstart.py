@@ -11,8 +11,8 @@ from pathlib import Path
 
 from decode.prompts import write_jsonl
 from distill.config import CorpusConfig
-from distill.corpus import Document, load_corpus
-from distill.pretraining import ensure_quickstart_pair, quickstart_cache_dir
+from distill.data.corpus import Document, load_corpus
+from distill.training.pretraining import ensure_quickstart_pair, quickstart_cache_dir
 
 N_TRAIN, N_EVAL = 2000, 64
 

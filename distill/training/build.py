@@ -12,13 +12,14 @@ from typing import Any
 
 import torch
 
-from distill import distributed, prompt_gen, rollouts, schedule
 from distill.config import Recipe
-from distill.data import Example, encode_examples
+from distill.data import prompt_gen, rollouts
+from distill.data.prompts import Example, encode_examples
 from distill.models import context_length, resolve_mixed_precision, slow_bf16_warning
-from distill.run_state import RunState, trim_metrics
-from distill.tracking import tracker_setup
-from distill.training import Timer
+from distill.training import distributed, schedule
+from distill.training.helpers import Timer
+from distill.training.run_state import RunState, trim_metrics
+from distill.training.tracking import tracker_setup
 
 
 def build_accelerator(
