@@ -145,7 +145,7 @@ class DraftConfig(ModelConfig):
         _check(1 <= self.num_layers <= 8, "draft.num_layers", f"must be in 1..8, got {self.num_layers}")
         if self.aux_layers is not None and self.kind == "dflash":
             _check(
-                len(self.aux_layers) >= 1 and all(b > a >= 0 for a, b in zip([-1, *self.aux_layers], self.aux_layers)),
+                len(self.aux_layers) >= 1 and all(b > a for a, b in zip([-1, *self.aux_layers], self.aux_layers)),
                 "draft.aux_layers",
                 f"a DFlash draft reads 1 or more target layer outputs: give rising ids >= 0 (or null for the "
                 f"default), got {self.aux_layers}",

@@ -526,10 +526,12 @@ def served_config(draft: DFlashDraft) -> dict:
 
 
 def usage(target: str, model: str, gamma: int, block: int) -> list[str]:
-    """Markdown launch lines for the draft in ``model`` with ``target``: vLLM's ``method: dflash`` (at most the
-    trained block), draftsmith's bench and its Python loader. No HF assisted or SGLang line: neither runs it."""
+    """Markdown launch lines for the draft in ``model`` with ``target``: vLLM's ``method: dflash`` with the
+    trained block (vLLM feeds 1 + ``num_speculative_tokens`` positions, and the draft was trained on 1 + block),
+    draftsmith's bench with ``gamma`` (capped at the block) and its Python loader. No HF assisted or SGLang line:
+    neither runs it."""
     gamma = min(int(gamma), int(block))
-    spec = json.dumps({"method": "dflash", "model": model, "num_speculative_tokens": gamma})
+    spec = json.dumps({"method": "dflash", "model": model, "num_speculative_tokens": int(block)})
     return [
         "vLLM:",
         "",
@@ -537,8 +539,8 @@ def usage(target: str, model: str, gamma: int, block: int) -> list[str]:
         f"vllm serve {target} --speculative-config '{spec}'",
         "```",
         "",
-        f"`num_speculative_tokens` up to {block}, the block it was trained for (vLLM feeds 1 + that many positions; "
-        f"{block} is the block as trained).",
+        f"`num_speculative_tokens` {block}, the block it was trained for: vLLM reads a block of 1 + that many "
+        "positions, and a shorter one would show the draft's bidirectional block a width it was not trained on.",
         "",
         "draftsmith's own decoder (a checkout of draftsmith), from the command line or in Python:",
         "",
