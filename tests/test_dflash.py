@@ -217,6 +217,24 @@ def test_served_layout_is_vllms_and_loads_back(tmp_path, pair):
         dflash.load(tmp_path, other)
 
 
+def test_the_bench_costs_a_block_at_one_draft_forward_per_round(pair):
+    """The bench's zero-overhead figure for a DFlash draft is tau / (c + v): one draft forward (the round's
+    context read and the block) drafts the whole block; its cost stream times exactly that."""
+    from decode.bench import run_bench
+    from tests.tiny import char_tokenizer
+
+    target, draft = pair
+    prompts = [{"id": str(i), "prompt": text} for i, text in enumerate(["def f(x):", "import os", "class A:"])]
+    result = run_bench(
+        target, draft, char_tokenizer(), prompts, target_name="t", draft_name="d", max_new_tokens=12,
+        num_draft_tokens=BLOCK, repeats=1, baselines=("target",), progress=False,
+    )  # fmt: skip
+    tau, c, v = result["mean_accepted_length"], result["draft_cost_ratio"], result["verify_cost_ratio"]
+    assert result["mean_num_draft_tokens"] > 1 and result["outputs_match_target"] is True
+    assert result["theoretical_speedup"] == pytest.approx(tau / (c + v), rel=1e-3)
+    assert 1 <= result["block_choice"]["k"] <= BLOCK
+
+
 # ---------------------------------------------------------------- training: the target rows of each block position
 
 DVOCAB = 97
