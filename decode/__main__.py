@@ -41,6 +41,11 @@ HF_CANNOT_RUN_EAGLE3 = (
     "HF assisted generation cannot run an EAGLE-3 head (generate(assistant_model=...) takes a standalone causal "
     "LM): use --baselines target, and serve the head with vLLM (method eagle3) or SGLang (EAGLE3)"
 )
+HF_CANNOT_RUN_DFLASH = (
+    "HF assisted generation cannot run a DFlash draft (generate(assistant_model=...) takes a standalone causal LM; "
+    'a DFlash draft reads the target\'s hidden states): use --baselines target, and serve it with vLLM ({"method": '
+    '"dflash"})'
+)
 HF_CANNOT_RUN_PARD = (
     "HF assisted generation cannot run a PARD draft's block (it would draft a chain, never reading the mask "
     'tokens it was trained on): use --baselines target, and serve it with vLLM ({"method": "draft_model", '
@@ -160,13 +165,17 @@ def draft_vocab_ids(value: str, draft: str) -> list[int] | None:
     return load_ids(value)
 
 
-def default_baselines(requested: tuple[str, ...] | None, eagle3_head: bool, pard: bool = False) -> tuple[str, ...]:
-    """``--baselines``: what was asked, else target and HF assisted (target alone for an EAGLE-3 head or a PARD
-    draft, which HF assisted generation cannot run)."""
+def default_baselines(
+    requested: tuple[str, ...] | None, eagle3_head: bool, pard: bool = False, dflash: bool = False
+) -> tuple[str, ...]:
+    """``--baselines``: what was asked, else target and HF assisted (target alone for an EAGLE-3 head, a PARD
+    draft or a DFlash draft, which HF assisted generation cannot run)."""
     if requested is None:
-        return ("target",) if eagle3_head or pard else ("target", "hf")
-    if (eagle3_head or pard) and "hf" in requested:
-        raise ValueError(HF_CANNOT_RUN_EAGLE3 if eagle3_head else HF_CANNOT_RUN_PARD)
+        return ("target",) if eagle3_head or pard or dflash else ("target", "hf")
+    if (eagle3_head or pard or dflash) and "hf" in requested:
+        raise ValueError(
+            HF_CANNOT_RUN_EAGLE3 if eagle3_head else (HF_CANNOT_RUN_DFLASH if dflash else HF_CANNOT_RUN_PARD)
+        )
     return requested
 
 
@@ -192,10 +201,14 @@ def check_inputs(args: argparse.Namespace) -> tuple[Any, Any, list[dict]]:
     """
     from decode import sources
     from decode.compat import check_vocab_compatible
-    from decode.kinds import eagle3
+    from decode.kinds import dflash, eagle3
     from decode.prompts import load_prompts
 
     target_tok = sources.load_tokenizer(args.target, key="--target")
+    raw = dflash.folder_config_dict(args.draft)
+    if raw is not None:  # a DFlash draft reads the target's states and writes through its output layer
+        dflash.fitted_config(raw, args.draft, sources.load_config(args.target, key="--target"), args.target)
+        return target_tok, target_tok, load_prompts(args.prompts, tokenizer=target_tok)
     if eagle3.is_eagle3(args.draft):  # a head over the target's own states: the target's tokens by construction
         eagle3.folder_config(args.draft, sources.load_config(args.target, key="--target"), args.target)  # its target?
         return target_tok, target_tok, load_prompts(args.prompts, tokenizer=target_tok)
@@ -252,20 +265,24 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
 
     from decode.bench import run_bench
     from decode.compat import check_vocab_compatible
-    from decode.kinds import eagle3, pard
+    from decode.kinds import dflash, eagle3, pard
 
+    block_states = dflash.is_dflash_folder(args.draft)
     head = eagle3.is_eagle3(args.draft)
     block_lm = pard.is_pard_folder(args.draft)
     if str(args.num_draft_tokens).startswith("tree:"):  # before any weights load
         from decode.tree import check_tree
 
-        check_tree("eagle3" if head else ("pard" if block_lm else "standalone"), args.batch_size, args.temperature)
-    baselines = default_baselines(args.baselines, head, block_lm)
+        kind = "dflash" if block_states else ("eagle3" if head else ("pard" if block_lm else "standalone"))
+        check_tree(kind, args.batch_size, args.temperature)
+    baselines = default_baselines(args.baselines, head, block_lm, block_states)
     check_block_length(args.draft, args.num_draft_tokens)
     target_tok, draft_tok, prompts = check_inputs(args)
     if head and args.draft_vocab not in ("auto", "full"):
         raise ValueError("an EAGLE-3 head drafts from the draft vocabulary it was trained with: drop --draft-vocab")
-    draft_vocab = None if head else draft_vocab_ids(args.draft_vocab, args.draft)
+    if block_states and args.draft_vocab not in ("auto", "full"):
+        raise ValueError("a DFlash draft drafts through the target's whole output layer: drop --draft-vocab")
+    draft_vocab = None if head or block_states else draft_vocab_ids(args.draft_vocab, args.draft)
     device = (
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if args.device == "auto"
@@ -274,7 +291,9 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(device)
     target = _load(args.target, dtype, device, "--target")
     draft_dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else dtype
-    if head:
+    if block_states:
+        draft = dflash.load(args.draft, target).to(draft_dtype)
+    elif head:
         draft = eagle3.load(args.draft, target).to(draft_dtype)
     else:
         draft = _load(args.draft, draft_dtype, device, "--draft")

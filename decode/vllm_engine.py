@@ -170,9 +170,12 @@ def first_divergences(spec: list[list[int]], target: list[list[int]]) -> list[di
 
 
 def speculative_method(draft: str | Path) -> str:
-    """vLLM's ``speculative_config`` method: ``eagle3`` for an EAGLE-3 head folder, else ``draft_model``."""
-    from decode.kinds import eagle3
+    """vLLM's ``speculative_config`` method: ``eagle3`` for an EAGLE-3 head folder, ``dflash`` for a DFlash
+    draft's, else ``draft_model``."""
+    from decode.kinds import dflash, eagle3
 
+    if dflash.is_dflash_folder(draft):
+        return "dflash"
     return "eagle3" if eagle3.is_eagle3(draft) else "draft_model"
 
 
@@ -187,6 +190,10 @@ def draft_block(draft: str | Path) -> int | None:
         return None
     if not isinstance(raw, dict):
         return None
+    from decode.kinds import dflash
+
+    if dflash.is_dflash_folder(draft):  # DFlash's block_size counts its first, verified position
+        return dflash.folder_block(draft)
     if raw.get("pard_token") is not None:  # a PARD draft (vLLM reads pard_token; block_size is draftsmith's)
         from decode.kinds.pard import MAX_BLOCK
 
@@ -203,7 +210,9 @@ def has_parallel_drafting(vllm_config_module) -> bool:
 
 
 def draft_kind(draft: str | Path) -> str:
-    """The draft kind of a draft folder as vLLM serves it: peagle, eagle3, pard or standalone."""
+    """The draft kind of a draft folder as vLLM serves it: dflash, peagle, eagle3, pard or standalone."""
+    if speculative_method(draft) == "dflash":
+        return "dflash"
     if speculative_method(draft) != "eagle3":
         return "pard" if draft_block(draft) is not None else "standalone"
     return "peagle" if draft_block(draft) is not None else "eagle3"
@@ -240,7 +249,8 @@ def speculative_config(
                 f"--num-draft-tokens {num_draft_tokens} is above the block of {block} tokens the block draft {draft} "
                 f"was trained for: use --num-draft-tokens <= {block}"
             )
-        spec["parallel_drafting"] = True
+        if method != "dflash":  # vLLM drafts a DFlash block in parallel by itself
+            spec["parallel_drafting"] = True
     if sample_method not in SAMPLE_METHODS:
         raise ValueError(f"draft sample method {sample_method!r} is not one of {', '.join(SAMPLE_METHODS)}")
     if not has_field:
@@ -335,6 +345,9 @@ def draft_dir_for_vllm(target: str, draft: str, dtype: str, scratch: Path) -> st
     if speculative_method(draft) == "eagle3":
         check_eagle3_fits(target, draft)
         return draft  # the served format as it is: vLLM shares the target's embedding and tokenizer
+    if speculative_method(draft) == "dflash":
+        check_dflash_fits(target, draft)
+        return draft  # the served format as it is: vLLM shares the target's embedding and output layer
     want = _config_vocab(target)
     if _config_vocab(draft) == want:
         return draft
@@ -346,6 +359,17 @@ def draft_dir_for_vllm(target: str, draft: str, dtype: str, scratch: Path) -> st
     model = AutoModelForCausalLM.from_pretrained(draft, dtype=getattr(torch, dtype))
     return str(save_draft_for_vllm(model, AutoTokenizer.from_pretrained(draft), AutoConfig.from_pretrained(target),
                                    scratch / "draft"))  # fmt: skip
+
+
+def check_dflash_fits(target: str, draft: str) -> None:
+    """ValueError (one line) unless the DFlash draft in ``draft`` was built for ``target``'s vocabulary, hidden
+    width and layers (``decode.kinds.dflash.fitted_config``)."""
+    from transformers import AutoConfig
+
+    from decode.kinds import dflash
+
+    raw = dflash.folder_config_dict(draft)
+    dflash.fitted_config(raw, draft, AutoConfig.from_pretrained(target), target)
 
 
 def check_eagle3_fits(target: str, head: str) -> None:

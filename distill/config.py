@@ -94,31 +94,36 @@ class DraftConfig(ModelConfig):
     """The draft: a model to load (`model`), or one built from the target (`init: truncate`), or an EAGLE-3 head
     over the target's hidden states (`kind: eagle3`)."""
 
-    kind: Literal["standalone", "eagle3", "peagle", "pard"] = _f(
+    kind: Literal["standalone", "eagle3", "peagle", "pard", "dflash"] = _f(
         "standalone",
         "standalone: a small causal LM with the target's tokenizer; eagle3: a one-layer head that reads the "
         "target's own hidden states at three layers (decode.kinds.eagle3), built from the target (draft.model "
         "empty) or started from an EAGLE-3 head folder (draft.model); peagle: an EAGLE-3 head that drafts "
         "draft.block_size tokens in one forward (decode.kinds.peagle), built from the target or started from an "
         "EAGLE-3 or P-EAGLE head folder; pard: a standalone draft (draft.model) trained to draft draft.block_size "
-        "tokens in one forward from mask tokens (decode.kinds.pard)",
+        "tokens in one forward from mask tokens (decode.kinds.pard); dflash: draft.num_layers layers over the "
+        "target's hidden states that fill draft.block_size tokens in one forward (decode.kinds.dflash), built "
+        "from the target or continued from a DFlash folder",
     )
     block_size: int = _f(
         6,
-        "kind=peagle or pard: the tokens the draft drafts in one forward, every one of them trained (2..16); "
+        "kind=peagle, pard or dflash: the tokens the draft drafts in one forward, every one of them trained (2..16); "
         "decoding may verify fewer (eval.num_draft_tokens <= block_size, or auto)",
     )
     mask_token_id: int | None = _f(
         None,
-        "kind=peagle or pard: the token the drafted positions after the first read (a P-EAGLE head's with its "
+        "kind=peagle, pard or dflash: the token the drafted positions after the first read (a P-EAGLE head's with its "
         "learned mask feature; a PARD draft's pard_token); null: the tokenizer's mask, pad or unk token (a PARD "
         "draft already marked: its own), else the last id of the vocabulary",
     )
     aux_layers: list[int] | None = _f(
         None,
         "kind=eagle3: the 3 target layers whose hidden states the head fuses, as rising hidden_states indices in "
-        "0..L-1 (0 = the embeddings, j = the input of layer j; vLLM's convention); null: (2, L//2, L-3)",
+        "0..L-1 (0 = the embeddings, j = the input of layer j; vLLM's convention); null: (2, L//2, L-3). "
+        "kind=dflash: DFlash's target_layer_ids, 1 or more rising ids in 0..L-2 (j = the output of layer j); "
+        "null: (1, L//2-1, L-4)",
     )
+    num_layers: int = _f(1, "kind=dflash: the draft's decoder layers (1..8)")
     init: Literal["pretrained", "truncate"] = _f(
         "pretrained", "pretrained: load draft.model; truncate: the target's embeddings, first init_layers layers, head"
     )
@@ -137,7 +142,15 @@ class DraftConfig(ModelConfig):
         _check(2 <= self.block_size <= 16, "draft.block_size", f"must be in 2..16, got {self.block_size}")
         if self.mask_token_id is not None:
             _check(self.mask_token_id >= 0, "draft.mask_token_id", f"must be >= 0, got {self.mask_token_id}")
-        if self.aux_layers is not None:
+        _check(1 <= self.num_layers <= 8, "draft.num_layers", f"must be in 1..8, got {self.num_layers}")
+        if self.aux_layers is not None and self.kind == "dflash":
+            _check(
+                len(self.aux_layers) >= 1 and all(b > a for a, b in zip([-1, *self.aux_layers], self.aux_layers)),
+                "draft.aux_layers",
+                f"a DFlash draft reads 1 or more target layer outputs: give rising ids >= 0 (or null for the "
+                f"default), got {self.aux_layers}",
+            )
+        elif self.aux_layers is not None:
             _check(
                 len(self.aux_layers) == 3 and all(a >= 0 for a in self.aux_layers),
                 "draft.aux_layers",
@@ -490,20 +503,21 @@ def _check_eval_minutes(recipe: Recipe) -> None:
     )
 
 
-BLOCK_KINDS = ("peagle", "pard")  # the kinds that draft a whole block in one forward (draft.block_size)
+BLOCK_KINDS = ("peagle", "pard", "dflash")  # the kinds that draft a whole block in one forward (draft.block_size)
 
 
 def is_head(kind: str) -> bool:
-    """True for the draft kinds that are EAGLE-3 heads over the target's hidden states (eagle3, peagle)."""
-    return kind in ("eagle3", "peagle")
+    """True for the draft kinds that read the target's hidden states and are built from the target (eagle3,
+    peagle, dflash): trained on its continuations, served next to it."""
+    return kind in ("eagle3", "peagle", "dflash")
 
 
 def _check_block(recipe: Recipe) -> None:
-    """draft.kind=peagle or pard: the evaluations verify at most the block the draft is trained for."""
+    """A block kind (peagle, pard, dflash): the evaluations verify at most the block the draft is trained for."""
     spec = recipe.eval.num_draft_tokens
     if recipe.draft.kind not in BLOCK_KINDS or not (isinstance(spec, int) or str(spec).isdigit()):
         return
-    what = "P-EAGLE head" if recipe.draft.kind == "peagle" else "PARD draft"
+    what = {"peagle": "P-EAGLE head", "pard": "PARD draft", "dflash": "DFlash draft"}[recipe.draft.kind]
     _check(
         int(spec) <= recipe.draft.block_size,
         "eval.num_draft_tokens",

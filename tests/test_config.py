@@ -201,3 +201,22 @@ def test_evaluation_minutes_beyond_the_budget_are_one_error_line_and_nothing_wri
         "eval.every_minutes to at most train.max_minutes (0: off), or raise train.max_minutes"
     ]
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (["draft.num_layers=0"], r"draft.num_layers: must be in 1..8"),
+        (["draft.kind=dflash", "draft.aux_layers=[2, 1]"], "a DFlash draft reads 1 or more target layer outputs"),
+        (["draft.kind=dflash", "draft.block_size=3", "eval.num_draft_tokens=4"], "the DFlash draft is trained for"),
+    ],
+)
+def test_bad_dflash_values_give_one_line_errors(overrides, pattern):
+    with pytest.raises(RecipeError, match=pattern) as err:
+        load_recipe(None, overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_a_dflash_recipe_takes_any_rising_layer_outputs():
+    recipe = load_recipe(None, ["draft.kind=dflash", "draft.aux_layers=[0, 3, 5, 6]", "draft.num_layers=2"])
+    assert recipe.draft.aux_layers == [0, 3, 5, 6] and recipe.draft.num_layers == 2

@@ -130,7 +130,7 @@ def recipe_dict(inputs: dict, out: Path, **sections) -> dict:
         "output_dir": str(out),
     }
     for section, values in sections.items():
-        recipe[section] = {**recipe[section], **values} if isinstance(values, dict) else values
+        recipe[section] = {**recipe.get(section, {}), **values} if isinstance(values, dict) else values
     return recipe
 
 
@@ -199,6 +199,18 @@ BAD = {
     "head for a deeper target": (
         {"target": {"model": "deep"}, "draft": {"model": "head_deep", **EAGLE3}},
         ["draft.model and target.model", "head_deep", "reads target layers [2, 4, 6]", "(4 layers)"],
+    ),
+    "DFlash draft reading a layer the target does not have": (
+        {"target": {"model": "deep"}, "draft": {"model": "", "kind": "dflash", "aux_layers": [0, 3]}},
+        ["draft.aux_layers", "[0, 3]", "layer outputs 0..2", "output of layer j"],
+    ),
+    "DFlash evaluation drafting more than its block": (
+        {
+            "target": {"model": "deep"},
+            "draft": {"model": "", "kind": "dflash", "block_size": 3},
+            "eval": {"num_draft_tokens": 4},
+        },
+        ["eval.num_draft_tokens", "above draft.block_size=3", "DFlash draft"],
     ),
     # A bad prompt file is refused whatever the pair (here one with a chat template, which needs no chat-row
     # check) and before a quickstart pair is built.

@@ -1035,6 +1035,48 @@ def test_a_peagle_head_is_published_with_parallel_drafting_launch_lines(peagle_r
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# A DFlash draft: published as vLLM's DFlash layout, served with method dflash
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dflash_run(eagle3_run, tmp_path_factory) -> Path:
+    """eagle3_run with best/ replaced by a DFlash draft of block 3 for the same target."""
+    from decode.kinds import dflash
+
+    run = tmp_path_factory.mktemp("dflash-publish") / "run"
+    shutil.copytree(eagle3_run, run)
+    shutil.rmtree(run / "best")
+    target_dir = Path(load_recipe(run / "resolved_recipe.yaml", []).target.model)
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    draft = dflash.build(target, [0, 1, 2], num_layers=1, block_size=3, mask_token_id=0)
+    dflash.save(draft, run / "best", target_name=str(target_dir))
+    best = {**BEST, "draft_kind": "dflash", "num_draft_tokens": 3}
+    (run / "best" / "eval.json").write_text(json.dumps(best))
+    (run / "report.json").write_text(json.dumps({"best": best, "best_step": 40, "checkpoints": []}))
+    return run
+
+
+def test_a_dflash_draft_is_published_with_vllms_dflash_launch_line(dflash_run, tmp_path):
+    """The folder is the draft's config.json and weights as saved (vLLM's layout) and the target's tokenizer; the
+    card names DFlash and its block, gives vLLM's method dflash line with at most the block's tokens, and no
+    SGLang or HF assisted line; draftsmith_eval.json records the kind and the block."""
+    from distill.publish import BuildOptions, build_publish_folder
+
+    repo = "someone/tiny-dflash"
+    out = build_publish_folder(dflash_run, tmp_path / "pub", repo, BuildOptions())
+    card = (out / "README.md").read_text()
+    assert "a DFlash draft (a block of 3 tokens per forward)" in card
+    spec = json.dumps({"method": "dflash", "model": repo, "num_speculative_tokens": 3})
+    assert f"--speculative-config '{spec}'" in card
+    assert "sglang" not in card.lower() and "HF assisted generation cannot run a DFlash draft" in card
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    assert config["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [0, 1, 2]}
+    assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
+    info = json.loads((out / "draftsmith_eval.json").read_text())
+    assert info["draft_kind"] == "dflash" and info["block_size"] == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # A PARD draft: published as a draft model that vLLM drafts in parallel
 # ---------------------------------------------------------------------------------------------------------------
 def test_a_pard_draft_is_published_with_parallel_drafting_launch_lines(run_dir, tmp_path):

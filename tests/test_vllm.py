@@ -670,6 +670,36 @@ def fitted_eagle3_head(
     return eagle3.save(model.head.eval(), out)
 
 
+def fitted_dflash_draft(target_dir: str, out: Path, prompts: list[dict], steps: int = 300, lr: float = 3e-3) -> Path:
+    """A DFlash draft (one layer, a block of 3) fitted for ``steps`` steps (distill.kinds.dflash's block loss,
+    float32) to the saved target's greedy continuations of ``prompts``, so that it proposes what the target
+    writes there."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decode.kinds import dflash
+    from decode.prompts import encode_prompts
+    from decode.speculative import target_generate
+    from distill import data, eagle3_train
+    from distill.config import DistillConfig
+    from distill.kinds.dflash import Blocks, block_loss
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().requires_grad_(False)
+    ids = encode_prompts(AutoTokenizer.from_pretrained(target_dir), prompts)
+    pairs = [(p, target_generate(target, torch.tensor([p]), max_new_tokens=32).new_tokens[0]) for p in ids]
+    torch.manual_seed(0)
+    model = Blocks(dflash.build(target, [0, 1, 2], num_layers=1, block_size=3, mask_token_id=VOCAB - 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    batch = data.collate_training(pairs, 0)
+    cfg = DistillConfig()
+    side = eagle3_train.target_side(target, batch, model.draft, cfg.temperature)
+    for _ in range(steps):
+        loss, _ = block_loss(model, side, batch, cfg)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return dflash.save(model.draft.eval(), out)
+
+
 def test_vllm_without_eagle3_is_one_line_naming_the_version():
     from typing import Literal
 
@@ -712,6 +742,27 @@ def test_hf_assisted_on_an_eagle3_head_is_one_error_line(tmp_path, padded_pair):
     assert not (tmp_path / "o.json").exists()
 
 
+def test_hf_assisted_on_a_dflash_draft_is_one_error_line(tmp_path, padded_pair):
+    """A DFlash folder given to HF assisted generation: one error line, exit 2, nothing written; a fixed K above
+    its block likewise."""
+    from transformers import AutoModelForCausalLM
+
+    from decode.kinds import dflash
+
+    target, _, prompt_file = padded_pair
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    folder = dflash.save(dflash.build(model, [0, 1, 2], block_size=3, mask_token_id=1), tmp_path / "dflash")
+    base = [sys.executable, "-m", "decode", "bench", "--target", target, "--draft", str(folder),
+            "--prompts", str(prompt_file), "--json", str(tmp_path / "o.json")]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    for extra, words in ((["--baselines", "target,hf"], "DFlash draft"), (["--num-draft-tokens", "4"], "block of 3")):
+        proc = subprocess.run(base + extra, capture_output=True, text=True, env=env)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith("error: ") and words in lines[0], lines[0]
+        assert not (tmp_path / "o.json").exists()
+
+
 def served_as_trained(target: str, draft: str, best: Path, prompt_file: str, kind: str, floor: float) -> dict:
     """``best`` measured with ``eval.extra_engines=[vllm]`` (3 draft tokens, float32 greedy): vLLM runs it as
     ``kind``, drafts, and its output equals vLLM target-only; and it accepts, position by position, within 0.1 of
@@ -720,7 +771,7 @@ def served_as_trained(target: str, draft: str, best: Path, prompt_file: str, kin
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from decode.bench import run_bench
-    from decode.kinds import eagle3
+    from decode.kinds import dflash, eagle3
     from decode.prompts import load_prompts
     from distill.training.engines import acceptance_gaps, measure_extra_engines
 
@@ -736,7 +787,9 @@ def served_as_trained(target: str, draft: str, best: Path, prompt_file: str, kin
     assert result["spec_decode_counters"]["vllm:spec_decode_num_drafts"] > 0
     assert result["mean_num_draft_tokens"] == 3.0
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    if eagle3.is_eagle3(best):
+    if dflash.is_dflash_folder(best):
+        loaded = dflash.load(best, model)
+    elif eagle3.is_eagle3(best):
         loaded = eagle3.load(best, model)
     else:
         loaded = AutoModelForCausalLM.from_pretrained(best, dtype=torch.float32).eval()
@@ -764,6 +817,20 @@ def test_eagle3_head_in_vllm_matches_target_only(vllm_ok, tmp_path, padded_pair,
     target, draft, prompt_file = padded_pair
     best = fitted_eagle3_head(target, tmp_path / "best", load_prompts(prompt_file), every=every)
     served_as_trained(target, draft, best, prompt_file, "eagle3", floor=0.5)
+
+
+@pytest.mark.slow
+def test_dflash_draft_in_vllm_matches_target_only_and_accepts_as_in_draftsmith(vllm_ok, tmp_path, padded_pair):
+    """A fitted DFlash draft (block 3) measured with ``eval.extra_engines=[vllm]``: vLLM runs it as method dflash
+    (its DFlashDraftModel over the folder draftsmith saved, sharing the target's embedding and output layer),
+    float32 greedy output equal to vLLM target-only, and it accepts, position by position, what it accepts in
+    draftsmith's decoder on the same prompts, K and dtype: vLLM reads the context layers, mask token and block
+    as draftsmith trained them."""
+    from decode.prompts import load_prompts
+
+    target, draft, prompt_file = padded_pair
+    best = fitted_dflash_draft(target, tmp_path / "best", load_prompts(prompt_file))
+    served_as_trained(target, draft, best, prompt_file, "dflash", floor=0.3)
 
 
 @pytest.mark.slow

@@ -41,6 +41,7 @@ from decode.kinds.eagle3_formats import default_aux_layers
 from decode.kinds.standalone import Verified, all_real, draft_tokens, stack
 
 NAME = "eagle3"
+BLOCK = False  # a chain: one head forward per drafted token
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
 TTT_STEPS = 3  # unrolled steps in training (EAGLE-3 trains 7 on GPUs; 3 reach most of the gain, see docs/eagle3.md)
@@ -936,3 +937,23 @@ class CostStream:
 
     def rollback(self, num_new: int, keep: torch.Tensor, keep_list: list[int]) -> None:
         self.cache.crop(num_new)
+
+
+def drafter(head: Eagle3Head, batch: int, vocab: int, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Drafter:
+    """The kind's drafter for one decoding call (``decode.kinds.drafter_for``; the head reads features, not
+    ``input_ids``)."""
+    return Drafter(head, batch, vocab)
+
+
+def cost_stream(head: Eagle3Head, batch: int) -> CostStream:
+    """The head's forwards as ``decode.metrics.ForwardCostMeter`` times them."""
+    return CostStream(head, batch)
+
+
+def block_of(head: nn.Module) -> None:
+    """None: an EAGLE-3 head drafts a chain."""
+    return None
+
+
+def check_draft_length(head: nn.Module, gamma: int) -> None:
+    """A chain head drafts any length."""

@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from decode.kinds import standalone
-from decode.kinds.standalone import Verified, draft_tokens, stack
+from decode.kinds.standalone import Verified, cost_stream, draft_tokens, stack  # noqa: F401 (cost: as a draft LM)
 
 NAME = "pard"
+BLOCK = True  # the whole block in one draft forward
 MAX_BLOCK = 16
 
 
@@ -173,3 +174,8 @@ class Drafter(standalone.Drafter):
         kept = torch.arange(most, device=device)[None, :] < v.accepted.to(device)[:, None]
         self.ids = torch.cat([accepted, nxt], 1)
         self.valid = None if bool(kept.all()) else torch.cat([kept, standalone.all_real(nxt)], 1)
+
+
+def drafter(draft: nn.Module, batch: int, vocab: int, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Drafter:
+    """The kind's drafter for one decoding call (``decode.kinds.drafter_for``)."""
+    return Drafter(draft, batch, vocab, input_ids, prompt_mask)

@@ -24,9 +24,11 @@ import torch
 from torch import nn
 
 from decode.kinds import eagle3
+from decode.kinds.eagle3 import cost_stream  # noqa: F401  (the head's forwards, timed as an EAGLE-3 head's)
 from decode.kinds.standalone import draft_tokens, stack
 
 NAME = "peagle"
+BLOCK = True  # the whole block in one draft forward
 MAX_BLOCK = 16  # the largest block a head is built for (the bench's verify-cost curve covers K = 1..16)
 
 
@@ -80,6 +82,11 @@ def with_mask(head: eagle3.Eagle3Head, *, block_size: int, mask_token_id: int) -
     return out
 
 
+def block_of(head: nn.Module) -> int | None:
+    """The block the head was trained for (None: a chain head)."""
+    return getattr(head, "block_size", None)
+
+
 def check_draft_length(head: nn.Module, gamma: int) -> None:
     """ValueError when a fixed ``gamma`` is above the block ``head`` was trained for (a chain head: no limit)."""
     block = getattr(head, "block_size", None)
@@ -117,3 +124,8 @@ class Drafter(eagle3.Drafter):
             tokens, qs = draft_tokens(first, step, controller, block, proc, greedy, generator)
             self.cache.crop(block - 1)  # the mask positions; the next round feeds the target's features there
         return stack(tokens, qs, batch, self.vocab, self.device, greedy)
+
+
+def drafter(head: eagle3.Eagle3Head, batch: int, vocab: int, input_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """The kind's drafter for one decoding call (``decode.kinds.drafter_for``)."""
+    return Drafter(head, batch, vocab)

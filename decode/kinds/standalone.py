@@ -16,6 +16,7 @@ from decode.kv_stream import KVStream
 from decode.sampling import sample
 
 NAME = "standalone"
+BLOCK = False  # one draft forward per drafted token
 
 
 @dataclass
@@ -129,3 +130,24 @@ class Drafter:
         self.stream.select(rows)
         self.ids = self.ids[rows.to(self.ids.device)]
         self.valid = None if self.valid is None else self.valid[rows.to(self.valid.device)]
+
+
+def drafter(draft: nn.Module, batch: int, vocab: int, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Drafter:
+    """The kind's drafter for one decoding call (``decode.kinds.drafter_for``)."""
+    return Drafter(draft, batch, vocab, input_ids, prompt_mask)
+
+
+def cost_stream(model: nn.Module, batch: int) -> KVStream:
+    """The model's KV-cached forwards as ``decode.metrics.ForwardCostMeter`` times them."""
+    from decode.compat import logits_width
+
+    return KVStream(model, batch, logits_width(model))
+
+
+def block_of(draft: nn.Module) -> None:
+    """None: a chain draft has no block."""
+    return None
+
+
+def check_draft_length(draft: nn.Module, gamma: int) -> None:
+    """A chain draft drafts any length."""

@@ -24,12 +24,13 @@ docs/draft-kinds.md has the table of what each kind does.
     eagle3       a one-layer head over three of the target's hidden layers (distill.kinds.eagle3)
     peagle       an EAGLE-3 head that drafts a whole block in one forward (distill.kinds.peagle)
     pard         a standalone draft LM that drafts a whole block in one forward from mask tokens (distill.kinds.pard)
+    dflash       a few layers filling a whole block from the target's hidden states in one pass (distill.kinds.dflash)
 """
 
 from __future__ import annotations
 
 from distill.config import Recipe
-from distill.kinds import eagle3, pard, peagle, standalone
+from distill.kinds import dflash, eagle3, pard, peagle, standalone
 from distill.kinds.interface import Kind, StepLoss
 
 __all__ = ["KINDS", "Kind", "StepLoss", "engine_limits", "get"]
@@ -40,6 +41,7 @@ KINDS: dict[str, Kind] = {
     eagle3.NAME: eagle3,
     peagle.NAME: peagle,
     pard.NAME: pard,
+    dflash.NAME: dflash,
 }
 
 

@@ -316,6 +316,20 @@ def eagle3_usage(
     return ["## Usage", "", about, "", *lines]
 
 
+def dflash_usage(target: str, repo_id: str, gamma: int, block: int) -> list[str]:
+    """The card's usage section for a DFlash draft: what it is, then :func:`decode.kinds.dflash.usage` (vLLM's
+    ``method: dflash`` and draftsmith; no HF assisted generation, no SGLang line)."""
+    from decode.kinds import dflash
+
+    about = (
+        f"A DFlash draft fills a block of up to {block} tokens in one forward from the target's hidden states; it "
+        "shares the target's token embedding and output layer, so it runs inside an engine that serves it next to "
+        "the target. HF assisted generation cannot run it (it takes a standalone causal LM), nor can "
+        "`AutoModelForCausalLM.from_pretrained` load it alone."
+    )
+    return ["## Usage", "", about, "", *dflash.usage(target, repo_id, gamma, block)]
+
+
 def _vllm_serve(target: str, spec: str) -> list[str]:
     return ["vLLM:", "", "```bash", f"vllm serve {target} --speculative-config '{spec}'", "```"]
 
@@ -406,6 +420,8 @@ def _assistant_line(info: dict) -> str:
         return "none: HF assisted generation cannot run an EAGLE-3 or P-EAGLE head"
     if info.get("draft_kind") == "pard":
         return "not for this draft: HF assisted generation would run a PARD draft as a chain, not its block"
+    if info.get("draft_kind") == "dflash":
+        return "none: HF assisted generation cannot run a DFlash draft"
     chosen = info.get("generation_config") or {}
     if isinstance(chosen.get("assistant"), dict):
         return f"`{json.dumps(chosen['assistant'])}`: {chosen.get('why', '')}"
@@ -442,6 +458,11 @@ def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) 
     )
     if info.get("draft_kind") == "pard":
         made = f"a PARD draft (a block of {info['block_size']} tokens per forward) {made}"
+    if info.get("draft_kind") == "dflash":
+        made = (
+            f"a DFlash draft (a block of {info['block_size']} tokens per forward) trained with draftsmith on the "
+            f"target's own hidden states ({info['method']})"
+        )
     lines = [
         f"# {repo_id.split('/')[-1]}",
         "",
@@ -456,6 +477,8 @@ def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) 
         lines += [""] + eagle3_usage(
             target, repo_id, gamma, tree, sample, info.get("verifier"), info.get("block_size")
         )
+    elif info.get("draft_kind") == "dflash":
+        lines += [""] + dflash_usage(target, repo_id, gamma, info["block_size"])
     elif info.get("draft_kind") == "pard":
         lines += [""] + pard_usage(target, repo_id, gamma, info["block_size"], info.get("vllm_draft_sample_method"))
     else:

@@ -35,6 +35,7 @@ from typing import Any
 from decode.compat import match_vocab
 from decode.draft_vocab import FILE as DRAFT_VOCAB
 from decode.draft_vocab import load_saved_head
+from decode.kinds.dflash import is_dflash_folder
 from decode.kinds.eagle3 import is_eagle3
 from decode.kinds.eagle3_formats import block_of
 from decode.metrics import best_gamma
@@ -313,8 +314,9 @@ def build_publish_folder(
 
 
 def _check_names(src: PublishSource, repo_id: str, dry_run_dir: str | Path | None = None) -> None:
-    """vLLM picks the method by name only for a plain draft (method draft_model); an EAGLE-3 head names its own."""
-    if is_eagle3(src.model_dir):
+    """vLLM picks the method by name only for a plain draft (method draft_model); an EAGLE-3 head or a DFlash
+    draft names its own."""
+    if is_eagle3(src.model_dir) or is_dflash_folder(src.model_dir):
         return
     check_name_words(repo_id, "repo id")
     if dry_run_dir is not None:
@@ -368,6 +370,8 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
     trust = bool(recipe_get(recipe, "target.trust_remote_code", False))
     if is_eagle3(src.model_dir):
         return _build_eagle3_into(src, dest, repo_id, options, target, trust, notes)
+    if is_dflash_folder(src.model_dir):
+        return _build_dflash_into(src, dest, repo_id, options, target, trust, notes)
 
     reason = eval_not_on_upload(src)
     prompts = remeasure_prompts(src, reason, options.remeasure_prompts) if reason and options.remeasure else None
@@ -525,6 +529,50 @@ def _build_eagle3_into(
         "num_assistant_tokens": gamma,  # the gamma the figures were measured with (vLLM / SGLang num steps)
         "generation_config": None,
         "hardware": hardware,
+        "prompts": _prompts_name(src),
+        "license": options.license or _license(target),
+        "datasets": _datasets(src.recipe),
+        "tokenizer_from": tokenizer_from,
+        "measured_on_uploaded_weights": True,
+        "notes": notes,
+        "best": src.eval,
+        "engines": {k: v for k, v in src.engines.items() if k != engine_of(src.eval)},
+        "base": None,
+        "checkpoints": (src.report or {}).get("checkpoints", []),
+    }
+    _write_card_files(src, dest, repo_id, info)
+
+
+def _build_dflash_into(
+    src: PublishSource, dest: Path, repo_id: str, options: BuildOptions, target: str, trust: bool, notes: list[str]
+) -> None:
+    """A DFlash draft as vLLM (``method: dflash``) loads it: its config.json and model.safetensors as saved, the
+    target's tokenizer files, the card and recipe."""
+    from decode.kinds.dflash import WEIGHTS, folder_block
+
+    for name in ("config.json", WEIGHTS):
+        shutil.copy2(src.model_dir / name, dest / name)
+    tokenizer_from = copy_tokenizer(target, src, dest, trust, notes)
+    if not is_hub_id(target):
+        notes.append(f"the target is a local model ({public_name(target)}): put its Hub id in the commands below")
+    config = json.loads((dest / "config.json").read_text())
+    dflash = config.get("dflash_config") or {}
+    info = {
+        "repo_id": repo_id,
+        "draft_kind": "dflash",
+        "block_size": folder_block(dest),  # the tokens it drafts in one forward (config block_size - 1)
+        "target": public_name(target),
+        "verifier": None,
+        "vllm_draft_sample_method": recipe_get(src.recipe, "eval.vllm_draft_sample_method"),
+        "base_model": public_name(target),  # built from the target: its embedding and output layer are shared
+        "base_model_hub_id": target if is_hub_id(target) else None,
+        "checkpoint": src.label,
+        "best_step": src.step,
+        "method": f"{config.get('num_hidden_layers')} layer(s), target layers {dflash.get('target_layer_ids')}, "
+        f"mask token {dflash.get('mask_token_id')}",
+        "num_assistant_tokens": best_gamma(src.eval),
+        "generation_config": None,
+        "hardware": src.eval.get("hardware") or f"{local_hardware()} (recorded at publish time)",
         "prompts": _prompts_name(src),
         "license": options.license or _license(target),
         "datasets": _datasets(src.recipe),

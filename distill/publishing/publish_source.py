@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from decode.kinds.dflash import is_dflash_folder
 from decode.kinds.eagle3 import is_eagle3
 from distill.publishing.hub import PublishError, is_hub_id
 from distill.training.run_state import stale_best
@@ -154,7 +155,8 @@ def resolve_source(source: str | Path) -> PublishSource:
         raise PublishError(f"the eval figures for {found.label} lack {', '.join(missing)}: not a bench JSON")
     if not any((found.model_dir / f).is_file() for f in ("config.json", "adapter_config.json")):
         raise PublishError(f"{found.model_dir} holds no model (config.json) or LoRA adapter (adapter_config.json)")
-    if (found.model_dir / "config.json").is_file() and not is_eagle3(found.model_dir):
+    served_layout = is_eagle3(found.model_dir) or is_dflash_folder(found.model_dir)  # no HF checkpoint to check
+    if (found.model_dir / "config.json").is_file() and not served_layout:
         check_plain_draft_config(read_json(found.model_dir / "config.json"))  # before any weight is loaded
     found.engines = _extra_engines(found.model_dir)
     found.recipe_path = next(

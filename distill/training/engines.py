@@ -100,14 +100,16 @@ def evaluate_vllm(
     The target is loaded by vLLM from its recipe path in the dtype of the loaded ``target``; the draft is saved
     to a temporary directory in that dtype with the target's vocab_size.
     """
-    from decode.kinds import eagle3, kind_of
+    from decode.kinds import dflash, eagle3, kind_of
     from decode.vllm_engine import bench_in_subprocess, save_draft_for_vllm
 
     dtype = next(target.parameters()).dtype
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):  # a quantized target: vLLM loads it unquantized
         dtype = torch.bfloat16
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-draft-") as tmp:
-        if is_head(kind_of(draft)):  # the served format; vLLM takes the embedding and tokenizer from the target
+        if kind_of(draft) == dflash.NAME:  # vLLM's DFlash layout; the embedding and output layer are the target's
+            draft_dir = dflash.save(draft, Path(tmp) / "draft", dtype=dtype)
+        elif is_head(kind_of(draft)):  # the served format; vLLM takes the embedding and tokenizer from the target
             draft_dir = eagle3.save(draft, Path(tmp) / "draft", dtype=dtype)
         else:
             draft_dir = save_draft_for_vllm(draft, tokenizer, target.config, Path(tmp) / "draft", dtype=dtype)
@@ -129,12 +131,14 @@ def _bench_draftsmith(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype
     sits on the target (its embedding); HF assisted generation cannot run it.
     """
     from decode.draft_vocab import load_ids
-    from decode.kinds import eagle3
+    from decode.kinds import dflash, eagle3
     from distill.models import load_target, load_tokenizer
 
     target = load_target(dataclasses.replace(recipe.target, dtype=dtype))
-    head = eagle3.is_eagle3(best)
-    if head:
+    head = eagle3.is_eagle3(best) or dflash.is_dflash_folder(best)
+    if dflash.is_dflash_folder(best):
+        draft = dflash.load(best, target)
+    elif head:
         draft = eagle3.load(best, target)
     else:  # best/ is served frozen: loaded as a target is (eval mode, no gradients), in the same dtype
         draft = load_target(

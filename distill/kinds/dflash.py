@@ -1,0 +1,231 @@
+"""Training a DFlash draft (`draft.kind: dflash`): a few layers that fill draft.block_size tokens in one forward.
+
+The draft is built from the target (draft.num_layers layers reading the outputs of target layers draft.aux_layers,
+DFlash's ``target_layer_ids``), or continued from a DFlash folder in draft.model, or from the newest checkpoint on
+--resume. Each step reads the target's hidden states and logits of the batch (one target forward, or
+distill.cache_teacher's kept rows, as for an EAGLE-3 head: ``distill.eagle3_train.target_side``) and trains every
+block position of every anchor in one pass (``decode.kinds.dflash.DFlashDraft.block_logits``): the block at anchor
+i holds x_{i+1} and draft.block_size mask tokens and sees the target's features at positions <= i; its position k
+is compared with the target's distribution at i + k, the one over token i + k + 1, weighted distill.step_weight^k.
+It is saved in the layout vLLM's ``method: dflash`` loads (decoding side: ``decode.kinds.dflash``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from decode.compat import text_config
+from decode.kinds import dflash as decoding
+from decode.kinds import eagle3
+from distill import eagle3_train, losses, models
+from distill.config import DistillConfig, Recipe
+from distill.kinds.eagle3 import cache_teacher, decoding_vocab, load_draft  # the same as an EAGLE-3 head's
+from distill.kinds.interface import StepLoss
+from distill.kinds.peagle import mask_token_id
+from distill.teacher_cache import sequence_key
+
+NAME = decoding.NAME
+DESCRIPTION = "a DFlash draft"
+LOADS_DRAFT_MODEL = False
+HF_ASSISTED = False
+GENERATES_ROLLOUTS = False
+
+__all__ = [
+    "Blocks",
+    "block_loss",
+    "build_draft",
+    "cache_teacher",
+    "check_inputs",
+    "decoding_vocab",
+    "generation_recorder",
+    "load_draft",
+    "loss_step",
+    "save_checkpoint",
+    "served",
+]
+
+
+class Blocks(nn.Module):
+    """The draft as the training loop's model: its forward is the training pass over every anchor's block.
+
+    accelerate prepares this module, so DDP and autocast wrap the forward training calls; ``draft`` is the
+    :class:`decode.kinds.dflash.DFlashDraft` itself, which evaluation and checkpoints use.
+    """
+
+    def __init__(self, draft: decoding.DFlashDraft) -> None:
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return self.draft.block_logits(ids, features, valid)
+
+
+def served(model: nn.Module) -> decoding.DFlashDraft:
+    """The draft itself, not its training wrapper."""
+    model = getattr(model, "module", model)
+    return model.draft if isinstance(model, Blocks) else model
+
+
+def planned_layer_ids(recipe: Recipe, num_layers: int) -> list[int]:
+    """draft.aux_layers (DFlash's target_layer_ids: j = the output of layer j), else the default, checked against
+    a target of ``num_layers`` layers.
+
+    Raises:
+        ValueError: one line naming draft.aux_layers and the ids the target has.
+    """
+    wanted = recipe.draft.aux_layers
+    try:
+        return decoding.check_layer_ids(
+            decoding.default_layer_ids(num_layers) if wanted is None else wanted, num_layers
+        )
+    except ValueError as err:
+        raise ValueError(f"draft.aux_layers: {err}") from None
+
+
+def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:
+    """draft.model, when given, must be a DFlash folder (to continue); the target must give per-layer hidden
+    states, and have the layers draft.aux_layers names.
+
+    Raises:
+        ValueError: one line naming the recipe key and the fix.
+    """
+    if recipe.draft.model and not decoding.is_dflash_folder(recipe.draft.model):
+        raise ValueError(
+            f"draft.model {recipe.draft.model!r} is not a DFlash draft folder (config.json with architectures "
+            f"[{decoding.ARCHITECTURE}] and dflash_config): leave draft.model empty to build the draft from the target"
+        )
+    if target is not None:
+        config = target_config()
+        models.check_hidden_states(config, recipe.target, "draft.kind=dflash")
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        layers = getattr(text, "num_hidden_layers", None)
+        if isinstance(layers, int):
+            planned_layer_ids(recipe, layers)
+
+
+def generation_recorder(
+    teachers: eagle3_train.TargetCache | None, recipe: Recipe, target: nn.Module
+) -> eagle3_train.GenerationRecorder | None:
+    """What fills ``teachers`` while the target generates the continuations (the layers the draft reads)."""
+    if teachers is None:
+        return None
+    return eagle3_train.GenerationRecorder(teachers, recorded_layers(recipe, target))
+
+
+def build_draft(
+    recipe: Recipe,
+    target: nn.Module,
+    source: Any,
+    train_prompts: Sequence,
+    vocab_size: int,
+    teachers: eagle3_train.TargetCache | None,
+    resume_from: Path | None,
+    is_main: bool,
+) -> Blocks:
+    """The draft to train, in float32: the newest checkpoint's (--resume), draft.model's (a DFlash folder), or a
+    fresh one of draft.num_layers layers, draft.block_size and the mask token (:func:`mask_token_id`)."""
+    start = resume_from if resume_from is not None and decoding.is_dflash_folder(resume_from) else None
+    if start is None and recipe.draft.model:
+        start = Path(recipe.draft.model)
+    if start is not None:
+        draft = decoding.load(start, target).float()
+        started = f"continued from {start}"
+    else:
+        layers = int(text_config(target).num_hidden_layers)
+        draft = decoding.build(
+            target, planned_layer_ids(recipe, layers), num_layers=recipe.draft.num_layers,
+            block_size=recipe.draft.block_size, mask_token_id=mask_token_id(recipe, vocab_size),
+        )  # fmt: skip
+        started = "fresh"
+    if is_main:
+        print(
+            f"dflash draft: {draft.config.num_hidden_layers} layer(s) over target layers {draft.layer_ids}, block of "
+            f"{draft.block_size} tokens per forward, mask token {draft.mask_token_id} ({started})"
+        )
+    if teachers is not None and draft.aux_layers != recorded_layers(recipe, target):
+        teachers.clear()  # draft.model's draft reads other layers than those kept while generating
+    return Blocks(draft)
+
+
+def recorded_layers(recipe: Recipe, target: nn.Module) -> list[int]:
+    """The hidden_states indices kept while the target generates (:func:`generation_recorder`)."""
+    layers = int(text_config(target).num_hidden_layers)
+    return [j + 1 for j in planned_layer_ids(recipe, layers)]
+
+
+def block_loss(
+    model: nn.Module, side: eagle3_train.TargetSide, batch: dict[str, torch.Tensor], cfg: DistillConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted loss of one micro-batch given the target's side (features, log p over the whole vocabulary
+    and the empty tail bucket): sum_k w^k loss_k / sum_k w^k over block positions k = 1..K, and per position
+    ``train/loss_k`` and ``train/acc_k`` (k counted from 0 for the first drafted token, as the other kinds log).
+
+    Block position k at anchor i is compared with the target's row i + k (the distribution over token i + k + 1)
+    where both are real positions and the batch's loss_mask keeps row i + k.
+    """
+    valid = batch["attention_mask"].bool()
+    logits = model(batch["input_ids"], side.features, valid)  # [B, S, K + 1, V]
+    width = valid.shape[1]
+    log_p = side.log_p.flatten(0, 1)  # [B * S, V + 1]
+    total, weights, stats = None, 0.0, {}
+    for k in range(1, logits.shape[2]):
+        mask = decoding.block_mask(valid, k) & eagle3.shift_left(batch["loss_mask"], k).bool()
+        if not bool(mask.any()):
+            continue  # sequences too short for this position
+        rows_b, rows_i = mask.nonzero(as_tuple=True)
+        teacher_rows = rows_b * width + rows_i + k
+        student = logits[rows_b, rows_i, k]
+        log_pt = log_p[teacher_rows]
+        log_ps = eagle3_train.student_log_probs(student, log_pt[:, -1:], cfg.temperature)
+        loss_k = losses.divergence(log_ps, log_pt, cfg.loss, cfg.beta).mean()
+        weight = cfg.step_weight ** (k - 1)
+        total = weight * loss_k if total is None else total + weight * loss_k
+        weights += weight
+        with torch.no_grad():
+            same = student.argmax(-1) == side.top.flatten()[teacher_rows]
+        stats[f"train/loss_{k - 1}"] = float(loss_k.detach())
+        stats[f"train/acc_{k - 1}"] = float(same.float().mean())
+    if total is None:
+        raise ValueError(
+            "mask selects no completion tokens for any block position: every sequence is shorter than 2 tokens past "
+            "its prompt; raise distill.max_new_tokens"
+        )
+    return total / weights, stats
+
+
+def loss_step(
+    accelerator: Any,
+    draft: nn.Module,
+    target: nn.Module,
+    recipe: Recipe,
+    vocab_size: int,
+    teachers: eagle3_train.TargetCache | None,
+    draft_vocab: list[int] | None,
+) -> Callable[[dict[str, torch.Tensor], list, bool], StepLoss]:
+    """The step of one micro-batch: the target's side (its hidden states at the draft's layers and its
+    distribution, from one forward or distill.cache_teacher), then every block of the batch in one pass."""
+
+    def step(batch: dict[str, torch.Tensor], pairs: list, on_policy: bool) -> StepLoss:
+        inner = served(draft)
+        keys = None if teachers is None else [sequence_key(*p) for p in pairs]
+        side = eagle3_train.target_side(target, batch, inner, recipe.distill.temperature, teachers, keys)
+        loss, stats = block_loss(draft, side, batch, recipe.distill)
+        return StepLoss(loss, stats.get("train/acc_0", 0.0), side.computed, stats)
+
+    return step
+
+
+def save_checkpoint(
+    draft: nn.Module, folder: Path, tokenizer: Any, draft_vocab: tuple | None, recipe: Recipe, result: dict
+) -> None:
+    """The served format (config.json + model.safetensors, vLLM's DFlash layout) and the target's tokenizer; the
+    README's launch line drafts the gamma ``result`` (the checkpoint's evaluation) measured, capped at the block."""
+    from decode.metrics import best_gamma
+
+    decoding.save(served(draft), folder, target_name=recipe.target.model, gamma=best_gamma(result))
+    tokenizer.save_pretrained(folder)
