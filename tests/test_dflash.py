@@ -283,14 +283,15 @@ def test_block_position_k_at_i_is_compared_with_the_targets_distribution_over_to
     """The training step's rows (distill.kinds.dflash.block_loss after the target's side): block position k of
     anchor i against the target's distribution over token i + k + 1, computed by hand from the prefix; block
     outputs one token off either way are not what it trains towards."""
-    from distill import data, eagle3_train
     from distill.config import DistillConfig
+    from distill.data.prompts import collate_training
     from distill.kinds.dflash import block_loss
+    from distill.training import eagle3_train
     from tests.test_alignment import pairs_of
 
     pairs, block = pairs_of(), 3
     cfg = DistillConfig(loss="fkl", loss_positions="all")
-    batch = data.collate_training(pairs, 0, loss_positions=cfg.loss_positions)
+    batch = collate_training(pairs, 0, loss_positions=cfg.loss_positions)
     draft = dflash.build(small_target, [0, 1, 2], block_size=block, mask_token_id=0)
     side = eagle3_train.target_side(small_target, batch, draft, cfg.temperature)
     for shift, right in ((0, True), (1, False), (-1, False)):
@@ -351,8 +352,8 @@ def test_a_dflash_draft_trained_through_train_distill_is_accepted(learnable, tmp
     against targets one token off, about 0.001. (Low for this pair: its target's embedding is scaled 10x, and a
     DFlash draft's residual stream starts from that embedding, the mask token's at every drafted position, so the
     layers' updates must outgrow it; tests above hold each block position to its own target row.)"""
-    from distill import eagle3_train
     from distill.kinds import dflash as training
+    from distill.training import eagle3_train
 
     if off_by_one:
         real = eagle3_train.target_side

@@ -1059,7 +1059,7 @@ def test_a_dflash_draft_is_published_with_vllms_dflash_launch_line(dflash_run, t
     """The folder is the draft's config.json and weights as saved (vLLM's layout) and the target's tokenizer; the
     card names DFlash and its block, gives vLLM's method dflash line with at most the block's tokens, and no
     SGLang or HF assisted line; draftsmith_eval.json records the kind and the block."""
-    from distill.publish import BuildOptions, build_publish_folder
+    from distill.publishing.publish import BuildOptions, build_publish_folder
 
     repo = "someone/tiny-dflash"
     out = build_publish_folder(dflash_run, tmp_path / "pub", repo, BuildOptions())

@@ -3,11 +3,12 @@
 The draft is built from the target (draft.num_layers layers reading the outputs of target layers draft.aux_layers,
 DFlash's ``target_layer_ids``), or continued from a DFlash folder in draft.model, or from the newest checkpoint on
 --resume. Each step reads the target's hidden states and logits of the batch (one target forward, or
-distill.cache_teacher's kept rows, as for an EAGLE-3 head: ``distill.eagle3_train.target_side``) and trains every
-block position of every anchor in one pass (``decode.kinds.dflash.DFlashDraft.block_logits``): the block at anchor
-i holds x_{i+1} and draft.block_size mask tokens and sees the target's features at positions <= i; its position k
-is compared with the target's distribution at i + k, the one over token i + k + 1, weighted distill.step_weight^k.
-It is saved in the layout vLLM's ``method: dflash`` loads (decoding side: ``decode.kinds.dflash``).
+distill.cache_teacher's kept rows, as for an EAGLE-3 head: ``distill.training.eagle3_train.target_side``) and
+trains every block position of every anchor in one pass (``decode.kinds.dflash.DFlashDraft.block_logits``): the
+block at anchor i holds x_{i+1} and draft.block_size mask tokens and sees the target's features at positions <= i;
+its position k is compared with the target's distribution at i + k, the one over token i + k + 1, weighted
+distill.step_weight^k. It is saved in the layout vLLM's ``method: dflash`` loads (decoding side:
+``decode.kinds.dflash``).
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from torch import nn
 from decode.compat import text_config
 from decode.kinds import dflash as decoding
 from decode.kinds import eagle3
-from distill import eagle3_train, losses, models
+from distill import models
 from distill.config import DistillConfig, Recipe
 from distill.kinds.eagle3 import cache_teacher, decoding_vocab, load_draft  # the same as an EAGLE-3 head's
 from distill.kinds.interface import StepLoss
 from distill.kinds.peagle import mask_token_id
-from distill.teacher_cache import sequence_key
+from distill.training import eagle3_train, losses
+from distill.training.teacher_cache import sequence_key
 
 NAME = decoding.NAME
 DESCRIPTION = "a DFlash draft"
