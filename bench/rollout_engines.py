@@ -116,7 +116,7 @@ def vllm_generation_only(recipe, source, examples, repeats: int) -> dict:
             worker = Worker(target=model, draft=None, num_draft_tokens=0, dtype=vr.vllm_dtype(source.target),
                             max_model_len=vr.model_len([e.prompt_ids for e in todo], cfg.max_new_tokens,
                                                        context_length(source.target)),
-                            engine_args={"skip_tokenizer_init": True})  # fmt: skip
+                            engine_args={**vr.DEFAULT_ENGINE_ARGS, **vr.engine_args()})  # fmt: skip
             start_s = time.perf_counter() - t0
             try:
                 passes = []

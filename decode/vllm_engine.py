@@ -480,9 +480,10 @@ def _serve(args) -> int:
             send({"error": str(e), "unavailable": True})
             return 2
     try:
-        llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
+        settings = {"enforce_eager": True, **json.loads(args.engine_args)}  # --engine-args may override it
+        llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len,
                   speculative_config=spec, seed=0, disable_log_stats=False,
-                  worker_extension_cls=WORKER_EXTENSION, **json.loads(args.engine_args))  # fmt: skip
+                  worker_extension_cls=WORKER_EXTENSION, **settings)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - reported as one line by the parent
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         send({"error": f"vLLM cannot load {args.target!r}" + (f" with draft {args.draft!r}" if args.draft else "")

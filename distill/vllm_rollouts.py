@@ -46,6 +46,9 @@ from distill.distributed import place
 ENGINE_ARGS_ENV = "DRAFTSMITH_VLLM_ENGINE_ARGS"  # JSON object: more keyword arguments of vLLM's LLM(...)
 PREFILL_ROWS = 8  # sequences per prefill forward: its logits are [rows, length, vocab] float32
 CHECK_ROWS = 4  # sequences the feature check runs on
+# Token ids in and out (EOS given explicitly as stop ids); compiled graphs: on SmolLM2 (2 CPU cores) generation ran
+# 7x faster than eager for about a minute of compiling at start (docs/data.md). DRAFTSMITH_VLLM_ENGINE_ARGS wins.
+DEFAULT_ENGINE_ARGS = {"skip_tokenizer_init": True, "enforce_eager": False}
 
 
 # ---------------------------------------------------------------- refusing early
@@ -192,7 +195,7 @@ def pregenerate_with_vllm(
                 max_model_len=model_len(
                     [e.prompt_ids for e in todo], cfg.max_new_tokens, context_length(source.target)
                 ),
-                engine_args={"skip_tokenizer_init": True, **args},  # token ids in and out; EOS given explicitly
+                engine_args={**DEFAULT_ENGINE_ARGS, **args},
                 env=worker_env(device, world, args),
             )
             try:

@@ -1016,7 +1016,9 @@ def _vllm_run(tmp_path, padded_pair, kind: str) -> subprocess.CompletedProcess:
                          data={"engine": "vllm"}, eval=evaluation)  # fmt: skip
     if kind == "eagle3":
         recipe["draft"] = {"kind": "eagle3", "model": "", "dtype": "float32", "aux_layers": [0, 1, 2]}
-    return run_distill(recipe, tmp_path, OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    # eager: a tiny model's run needs no compiled graphs (the default's are tested by the greedy test above)
+    eager = '{"enforce_eager": true}'
+    return run_distill(recipe, tmp_path, OMP_NUM_THREADS="1", WANDB_MODE="offline", DRAFTSMITH_VLLM_ENGINE_ARGS=eager)
 
 
 @pytest.mark.slow
