@@ -47,7 +47,7 @@ ENGINE_ARGS_ENV = "DRAFTSMITH_VLLM_ENGINE_ARGS"  # JSON object: more keyword arg
 PREFILL_ROWS = 8  # sequences per prefill forward: its logits are [rows, length, vocab] float32
 CHECK_ROWS = 4  # sequences the feature check runs on
 # Token ids in and out (EOS given explicitly as stop ids); compiled graphs: on SmolLM2 (2 CPU cores) generation ran
-# 7x faster than eager for about a minute of compiling at start (docs/data.md). DRAFTSMITH_VLLM_ENGINE_ARGS wins.
+# 2x to 7x faster than eager, for about a minute of compiling at start (docs/data.md); the env variable wins.
 DEFAULT_ENGINE_ARGS = {"skip_tokenizer_init": True, "enforce_eager": False}
 
 
