@@ -401,19 +401,24 @@ class Worker:
 
     def __init__(
         self, *, target: str, draft: str | None, num_draft_tokens: int, dtype: str, max_model_len: int,
-        draft_sample_method: str = "auto",
+        draft_sample_method: str = "auto", engine_args: dict | None = None, env: dict | None = None,
     ):  # fmt: skip
+        """``engine_args``: more keyword arguments of vLLM's ``LLM`` (e.g. tensor_parallel_size); ``env``: variables
+        set in the worker's environment on top of :func:`vllm_env` (e.g. CUDA_VISIBLE_DEVICES)."""
         cmd = [sys.executable, "-m", "decode.vllm_engine", "--target", target, "--dtype", dtype,
                "--max-model-len", str(max_model_len), "--num-draft-tokens", str(num_draft_tokens),
                "--draft-sample-method", draft_sample_method]  # fmt: skip
         if draft is not None:
             cmd += ["--draft", draft]
+        if engine_args:
+            cmd += ["--engine-args", json.dumps(engine_args)]
         self.name = "speculative" if draft else "target"
         self.timeout_s = reply_timeout()
         self.log = tempfile.TemporaryFile(mode="w+")  # vLLM's logs, shown only if the worker fails
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=vllm_env()
-        )
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env={**vllm_env(), **(env or {})},
+        )  # fmt: skip
         # A reader thread, so that waiting for an answer can have a deadline ("" = the worker closed stdout).
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=_pump, args=(self.proc.stdout, self.lines), daemon=True).start()
@@ -499,9 +504,10 @@ def _serve(args) -> int:
             send({"error": str(e), "unavailable": True})
             return 2
     try:
-        llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
+        settings = {"enforce_eager": True, **json.loads(args.engine_args)}  # --engine-args may override it
+        llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len,
                   speculative_config=spec, seed=0, disable_log_stats=False,
-                  worker_extension_cls=WORKER_EXTENSION)  # fmt: skip
+                  worker_extension_cls=WORKER_EXTENSION, **settings)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - reported as one line by the parent
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         send({"error": f"vLLM cannot load {args.target!r}" + (f" with draft {args.draft!r}" if args.draft else "")
@@ -521,10 +527,15 @@ def _serve(args) -> int:
         if req["op"] == "metrics":
             send(_read_counters(llm))
             continue
-        params = SamplingParams(
+        # Optional: one seed per prompt (a prompt's sample then does not depend on its batch), explicit stop ids
+        # (with skip_tokenizer_init vLLM knows no EOS), and the ids a padded target may sample (below "vocab").
+        extra = {"stop_token_ids": req["stop_token_ids"]} if req.get("stop_token_ids") else {}
+        if req.get("vocab"):
+            extra["allowed_token_ids"] = list(range(req["vocab"]))
+        params = [SamplingParams(
             max_tokens=req["max_tokens"], temperature=req["temperature"], top_p=req["top_p"],
-            top_k=req["top_k"] if req["top_k"] > 0 else -1, seed=req["seed"],
-        )  # fmt: skip
+            top_k=req["top_k"] if req["top_k"] > 0 else -1, seed=seed, **extra,
+        ) for seed in req.get("seeds") or [req["seed"]] * len(req["prompts"])]  # fmt: skip
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req["prompts"]]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -825,6 +836,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-sample-method", choices=SAMPLE_METHODS, default="auto")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--engine-args", default="{}", help="JSON object of more LLM(...) keyword arguments")
     return _serve(p.parse_args(argv))
 
 

@@ -36,6 +36,7 @@ def _check(cond: bool, key: str, msg: str) -> None:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EAGLE3_VOCAB = 8192  # draft.kind=eagle3, draft.vocab_subset=0: the head's vocabulary (capped at the target's)
+GENERATION_ENGINES = ("hf", "vllm")  # what generates the target's continuations (distill.data.vllm_rollouts)
 ENGINES = ("draftsmith", "vllm")  # what measures a draft: draftsmith's own decoder, or vLLM (decode.vllm_engine)
 
 
@@ -176,6 +177,12 @@ class DataConfig:
     generate_num_prompts: int = _f(256, "train_prompts=generate:...: prompts made per source (before the eval split)")
     generate_max_tokens: int = _f(48, "generate:magpie: the longest user request the target may write, in tokens")
     generate_temperature: float = _f(1.0, "generate:magpie: sampling temperature of the target's requests")
+    engine: str = _f(
+        "hf",
+        "what generates the target's continuations before training (distill.source target/mix, cached): hf "
+        "(draftsmith's own batched loop) or vllm (vLLM's offline LLM.generate in a worker process, batched; "
+        "pip install 'draftsmith[vllm]'; docs/data.md)",
+    )
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.eval_split < 1.0, "data.eval_split", f"must be in [0, 1), got {self.eval_split}")
@@ -183,6 +190,7 @@ class DataConfig:
         _check(self.generate_num_prompts > 0, "data.generate_num_prompts", "must be > 0")
         _check(self.generate_max_tokens > 0, "data.generate_max_tokens", "must be > 0")
         _check(self.generate_temperature > 0, "data.generate_temperature", "must be > 0")
+        _check(self.engine in GENERATION_ENGINES, "data.engine", f"must be hf or vllm, got {self.engine!r}")
 
 
 @dataclass
@@ -469,6 +477,7 @@ class Recipe:
             )
         _check_tree_eval(self)
         _check_eval_minutes(self)
+        _check_data_engine(self)
         _check_block(self)
         if self.draft.kind == "pard":
             _check_pard(self)
@@ -490,6 +499,17 @@ class Recipe:
                 "distill.loss_vocab",
                 "subset swaps the draft's output layer, which a LoRA draft wraps: set loss_vocab=full",
             )
+
+
+def _check_data_engine(recipe: Recipe) -> None:
+    """data.engine=vllm generates the continuations cached before training; on-demand ones stay draftsmith's."""
+    cfg = recipe.distill
+    _check(
+        recipe.data.engine == "hf" or (cfg.source in ("target", "mix") and cfg.cache_rollouts),
+        "data.engine",
+        f"vllm generates the target's continuations cached before training: it needs distill.source target or mix "
+        f"with distill.cache_rollouts=true (got source={cfg.source}, cache_rollouts={cfg.cache_rollouts})",
+    )
 
 
 def _check_eval_minutes(recipe: Recipe) -> None:

@@ -121,15 +121,23 @@ def pregenerate(
     clock split (RunState.clock), charged with the minutes generating."""
     if recipe.distill.source not in ("target", "mix") or not recipe.distill.cache_rollouts:
         return
+    watch = schedule.GenerationWatch(recipe.train.max_minutes, accelerator.is_main_process)
     with timer.running(), clock.generating():
-        made = source.pregenerate(
-            train_prompts,
-            rollout_draft,
-            accelerator=accelerator,
-            batch_size=recipe.distill.pregenerate_batch_size,
-            recorder=recorder,
-            on_batch=schedule.GenerationWatch(recipe.train.max_minutes, accelerator.is_main_process),
-        )
+        if recipe.data.engine == "vllm":  # vLLM generates them, the target alone (distill/data/vllm_rollouts.py)
+            from distill.data.vllm_rollouts import pregenerate_with_vllm
+
+            made = pregenerate_with_vllm(
+                recipe, source, train_prompts, accelerator=accelerator, recorder=recorder, on_batch=watch
+            )
+        else:
+            made = source.pregenerate(
+                train_prompts,
+                rollout_draft,
+                accelerator=accelerator,
+                batch_size=recipe.distill.pregenerate_batch_size,
+                recorder=recorder,
+                on_batch=watch,
+            )
     if accelerator.is_main_process and made:
         total = len(source.cache) if source.cache is not None else made  # every process's, once all are done
         print(f"data: {total} target continuations in {timer.elapsed_s:.2f} s (on the training clock)")

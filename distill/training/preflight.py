@@ -13,6 +13,7 @@ files only.
 * the prompt files: each one there, every row of a JSONL file valid JSON and a {"prompt"}, {"messages"} or
   {"conversations"} row (:func:`distill.data.prompts.check_prompt_source`), a `generate:` spec one that exists;
 * chat prompts ('messages' rows, generate:magpie) need the target's chat template;
+* `data.engine: vllm` needs vLLM installed (the `vllm` extra);
 * a standalone draft is not an EAGLE-3 head folder; for draft.kind=eagle3, the target's forward returns its
   per-layer hidden states (probed on one token of a weightless, meta-device copy), and a head folder in
   draft.model was made for this target (vocabulary, hidden size, aux layer ids in its config.json).
@@ -32,7 +33,7 @@ from decode.compat import check_vocab_compatible
 from decode.prompts import read_jsonl
 from distill import kinds, models
 from distill.config import DataConfig, ModelConfig, Recipe
-from distill.data import prompt_gen
+from distill.data import prompt_gen, vllm_rollouts
 from distill.data.prompts import check_prompt_source
 
 
@@ -43,6 +44,7 @@ def check_inputs(recipe: Recipe) -> None:
         ValueError: one line naming the recipe keys involved and the fix.
     """
     later = recipe.build_pair == "quickstart"  # empty model paths are filled in with the quickstart pair
+    vllm_rollouts.check_engine(recipe.data.engine)  # data.engine=vllm: vLLM installed
     check_prompt_files(recipe.data, later)
     target = _known_model(recipe.target, "target.model", later)
     kind = kinds.get(recipe.draft.kind)  # a draft LM to load, or one built from the target (an EAGLE-3 head)
