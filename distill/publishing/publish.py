@@ -495,82 +495,37 @@ def _write_card_files(src: PublishSource, dest: Path, repo_id: str, info: dict) 
     (dest / "README.md").write_text(render_model_card(info, repo_id, recipe_text))
 
 
-def _build_eagle3_into(
-    src: PublishSource, dest: Path, repo_id: str, options: BuildOptions, target: str, trust: bool, notes: list[str]
-) -> None:
-    """An EAGLE-3 head as vLLM (``method: eagle3``) and SGLang (EAGLE3) load it: its config.json and
-    model.safetensors as saved (no merge, no vocabulary change), the target's tokenizer files, the card and recipe."""
-    from decode.kinds.eagle3 import WEIGHTS
-
-    for name in ("config.json", WEIGHTS):
-        shutil.copy2(src.model_dir / name, dest / name)
-    tokenizer_from = copy_tokenizer(target, src, dest, trust, notes)
-    gamma = best_gamma(src.eval)
-    verifier = options.verifier or (target if is_hub_id(target) else None)
-    name_verifier(dest / "config.json", verifier, gamma, notes)
-    hardware = src.eval.get("hardware") or f"{local_hardware()} (recorded at publish time)"
-    if not is_hub_id(target):
-        notes.append(f"the target is a local model ({public_name(target)}): put its Hub id in the commands below")
-    config = json.loads((dest / "config.json").read_text())
-    block = block_of(config)
-    info = {
-        "repo_id": repo_id,
-        "draft_kind": "peagle" if block else "eagle3",
-        "block_size": block,  # a P-EAGLE head: the tokens it drafts in one forward (vLLM parallel_drafting)
-        "target": public_name(target),
-        "verifier": verifier,  # what config.json's speculators_config names (None: nothing)
-        "vllm_draft_sample_method": recipe_get(src.recipe, "eval.vllm_draft_sample_method"),
-        "base_model": public_name(target),  # the head is built from the target (its embedding and output rows)
-        "base_model_hub_id": target if is_hub_id(target) else None,
-        "checkpoint": src.label,
-        "best_step": src.step,
-        "method": f"draft vocabulary {config.get('draft_vocab_size')}, target layers "
-        f"{config.get('eagle_aux_hidden_state_layer_ids')}",
-        "num_assistant_tokens": gamma,  # the gamma the figures were measured with (vLLM / SGLang num steps)
-        "generation_config": None,
-        "hardware": hardware,
-        "prompts": _prompts_name(src),
-        "license": options.license or _license(target),
-        "datasets": _datasets(src.recipe),
-        "tokenizer_from": tokenizer_from,
-        "measured_on_uploaded_weights": True,
-        "notes": notes,
-        "best": src.eval,
-        "engines": {k: v for k, v in src.engines.items() if k != engine_of(src.eval)},
-        "base": None,
-        "checkpoints": (src.report or {}).get("checkpoints", []),
-    }
-    _write_card_files(src, dest, repo_id, info)
-
-
-def _build_dflash_into(
-    src: PublishSource, dest: Path, repo_id: str, options: BuildOptions, target: str, trust: bool, notes: list[str]
-) -> None:
-    """A DFlash draft as vLLM (``method: dflash``) loads it: its config.json and model.safetensors as saved, the
-    target's tokenizer files, the card and recipe."""
-    from decode.kinds.dflash import WEIGHTS, folder_block
-
-    for name in ("config.json", WEIGHTS):
+def _copy_draft_files(src: PublishSource, dest: Path, weights: str, target: str, trust: bool, notes: list[str]) -> str:
+    """A draft over the target's hidden states as its engines load it: config.json and the weights as saved (no
+    merge, no vocabulary change) and the target's tokenizer files. Returns where the tokenizer came from."""
+    for name in ("config.json", weights):
         shutil.copy2(src.model_dir / name, dest / name)
     tokenizer_from = copy_tokenizer(target, src, dest, trust, notes)
     if not is_hub_id(target):
         notes.append(f"the target is a local model ({public_name(target)}): put its Hub id in the commands below")
-    config = json.loads((dest / "config.json").read_text())
-    dflash = config.get("dflash_config") or {}
-    info = {
+    return tokenizer_from
+
+
+def _hidden_state_info(
+    src: PublishSource,
+    repo_id: str,
+    options: BuildOptions,
+    target: str,
+    tokenizer_from: str,
+    notes: list[str],
+    **kind: object,
+) -> dict:
+    """The card's facts for a draft built from the target (a head, a DFlash draft); ``kind``: draft_kind,
+    block_size, verifier, method, num_assistant_tokens."""  # fmt: skip
+    return {
         "repo_id": repo_id,
-        "draft_kind": "dflash",
-        "block_size": folder_block(dest),  # the tokens it drafts in one forward (config block_size - 1)
         "target": public_name(target),
-        "verifier": None,
         "vllm_draft_sample_method": recipe_get(src.recipe, "eval.vllm_draft_sample_method"),
-        "base_model": public_name(target),  # built from the target: its embedding and output layer are shared
+        "base_model": public_name(target),  # built from the target: its embedding (and output rows) shared or copied
         "base_model_hub_id": target if is_hub_id(target) else None,
         "checkpoint": src.label,
         "best_step": src.step,
-        "method": f"{config.get('num_hidden_layers')} layer(s), target layers {dflash.get('target_layer_ids')}, "
-        f"mask token {dflash.get('mask_token_id')}",
-        "num_assistant_tokens": best_gamma(src.eval),
+        **kind,
         "generation_config": None,
         "hardware": src.eval.get("hardware") or f"{local_hardware()} (recorded at publish time)",
         "prompts": _prompts_name(src),
@@ -584,6 +539,52 @@ def _build_dflash_into(
         "base": None,
         "checkpoints": (src.report or {}).get("checkpoints", []),
     }
+
+
+def _build_eagle3_into(
+    src: PublishSource, dest: Path, repo_id: str, options: BuildOptions, target: str, trust: bool, notes: list[str]
+) -> None:
+    """An EAGLE-3 head as vLLM (``method: eagle3``) and SGLang (EAGLE3) load it: its config.json and
+    model.safetensors as saved (no merge, no vocabulary change), the target's tokenizer files, the card and recipe."""
+    from decode.kinds.eagle3 import WEIGHTS
+
+    gamma = best_gamma(src.eval)
+    verifier = options.verifier or (target if is_hub_id(target) else None)
+    tokenizer_from = _copy_draft_files(src, dest, WEIGHTS, target, trust, notes)
+    name_verifier(dest / "config.json", verifier, gamma, notes)
+    config = json.loads((dest / "config.json").read_text())
+    block = block_of(config)
+    info = _hidden_state_info(
+        src, repo_id, options, target, tokenizer_from, notes,
+        draft_kind="peagle" if block else "eagle3",
+        block_size=block,  # a P-EAGLE head: the tokens it drafts in one forward (vLLM parallel_drafting)
+        verifier=verifier,  # what config.json's speculators_config names (None: nothing)
+        method=f"draft vocabulary {config.get('draft_vocab_size')}, target layers "
+        f"{config.get('eagle_aux_hidden_state_layer_ids')}",
+        num_assistant_tokens=gamma,  # the gamma the figures were measured with (vLLM / SGLang num steps)
+    )  # fmt: skip
+    _write_card_files(src, dest, repo_id, info)
+
+
+def _build_dflash_into(
+    src: PublishSource, dest: Path, repo_id: str, options: BuildOptions, target: str, trust: bool, notes: list[str]
+) -> None:
+    """A DFlash draft as vLLM (``method: dflash``) loads it: its config.json and model.safetensors as saved, the
+    target's tokenizer files, the card and recipe."""
+    from decode.kinds.dflash import WEIGHTS, folder_block
+
+    tokenizer_from = _copy_draft_files(src, dest, WEIGHTS, target, trust, notes)
+    config = json.loads((dest / "config.json").read_text())
+    dflash = config.get("dflash_config") or {}
+    info = _hidden_state_info(
+        src, repo_id, options, target, tokenizer_from, notes,
+        draft_kind="dflash",
+        block_size=folder_block(dest),  # the tokens it drafts in one forward (config block_size - 1)
+        verifier=None,
+        method=f"{config.get('num_hidden_layers')} layer(s), target layers {dflash.get('target_layer_ids')}, "
+        f"mask token {dflash.get('mask_token_id')}",
+        num_assistant_tokens=best_gamma(src.eval),
+    )  # fmt: skip
     _write_card_files(src, dest, repo_id, info)
 
 
