@@ -679,9 +679,10 @@ def fitted_dflash_draft(target_dir: str, out: Path, prompts: list[dict], steps: 
     from decode.kinds import dflash
     from decode.prompts import encode_prompts
     from decode.speculative import target_generate
-    from distill import data, eagle3_train
     from distill.config import DistillConfig
+    from distill.data.prompts import collate_training
     from distill.kinds.dflash import Blocks, block_loss
+    from distill.training import eagle3_train
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().requires_grad_(False)
     ids = encode_prompts(AutoTokenizer.from_pretrained(target_dir), prompts)
@@ -689,7 +690,7 @@ def fitted_dflash_draft(target_dir: str, out: Path, prompts: list[dict], steps: 
     torch.manual_seed(0)
     model = Blocks(dflash.build(target, [0, 1, 2], num_layers=1, block_size=3, mask_token_id=VOCAB - 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    batch = data.collate_training(pairs, 0)
+    batch = collate_training(pairs, 0)
     cfg = DistillConfig()
     side = eagle3_train.target_side(target, batch, model.draft, cfg.temperature)
     for _ in range(steps):
