@@ -766,7 +766,7 @@ def test_hf_assisted_on_a_dflash_draft_is_one_error_line(tmp_path, padded_pair):
 
 def served_as_trained(target: str, draft: str, best: Path, prompt_file: str, kind: str, floor: float) -> dict:
     """``best`` measured with ``eval.extra_engines=[vllm]`` (3 draft tokens, float32 greedy): vLLM runs it as
-    ``kind``, drafts, and its output equals vLLM target-only; and it accepts, position by position, within 0.1 of
+    ``kind``, drafts, and its output equals vLLM target-only; and it accepts, position by position, within noise of
     what draftsmith's decoder accepts on the same prompts (each position above ``floor``: the comparison has
     power). Returns vLLM's bench JSON."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -800,8 +800,10 @@ def served_as_trained(target: str, draft: str, best: Path, prompt_file: str, kin
     )  # fmt: skip
     mine, theirs = ours["per_position_acceptance"], result["per_position_acceptance"]
     assert min(mine) > floor, mine
-    assert len(theirs) == 3 and all(abs(a - b) <= 0.1 for a, b in zip(mine, theirs)), (mine, theirs)
-    assert acceptance_gaps(ours, result) == []  # what an in-run evaluation would warn about
+    assert len(theirs) == 3, theirs
+    # within noise position by position (a kernel tolerance plus z standard errors of the two proportions, from each
+    # engine's judged counts): a later position is judged only a few dozen times here, so a fixed bound is not noise
+    assert acceptance_gaps(ours, result) == [], (mine, theirs)  # what an in-run evaluation would warn about
     return result
 
 
