@@ -257,6 +257,12 @@ class DistillConfig:
     step_weight: float = _f(
         0.8, "draft.kind=eagle3: unrolled step k's loss weighs step_weight**k (EAGLE-3's 0.8; 1: all equal)"
     )
+    anchors: int = _f(
+        0,
+        "draft.kind=dflash: the block anchors a step trains per sequence, drawn at random among its trainable "
+        "positions (DFlash's anchor sampling): a step then runs N blocks a sequence through the draft and its "
+        "output layer instead of one at every position; 0: every position",
+    )
     recompute: bool = _f(
         False,
         "draft.kind=eagle3: keep only each unrolled step's layer inputs for the backward and run the layer again "
@@ -273,6 +279,7 @@ class DistillConfig:
         _check(self.top_k >= 0, "distill.top_k", "must be >= 0")
         _check(self.pregenerate_batch_size > 0, "distill.pregenerate_batch_size", "must be > 0")
         _check(self.ttt_steps >= 1, "distill.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
+        _check(self.anchors >= 0, "distill.anchors", f"must be >= 0 (0: every position), got {self.anchors}")
         _check(0.0 < self.step_weight <= 1.0, "distill.step_weight", f"must be in (0, 1], got {self.step_weight}")
         _check(
             self.num_draft_tokens == "auto" or (isinstance(self.num_draft_tokens, int) and self.num_draft_tokens >= 0),
@@ -479,6 +486,11 @@ class Recipe:
         _check_eval_minutes(self)
         _check_data_engine(self)
         _check_block(self)
+        _check(
+            self.distill.anchors == 0 or self.draft.kind == "dflash",
+            "distill.anchors",
+            f"samples DFlash block anchors; draft.kind={self.draft.kind} trains every position: set distill.anchors=0",
+        )
         if self.draft.kind == "pard":
             _check_pard(self)
         if is_head(self.draft.kind):

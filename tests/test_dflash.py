@@ -83,6 +83,51 @@ def test_the_block_forward_is_the_training_forward():
             assert close == same, ctx_len
 
 
+def test_blocks_at_drawn_anchors_are_the_blocks_of_the_every_anchor_pass():
+    """block_logits at a few anchors gives the same logits as the every-anchor pass at those anchors (a block
+    reads only the context its anchor sees, whatever else runs beside it)."""
+    target = tiny_target("llama")
+    draft = _random_draft(target)
+    ids = torch.randint(0, CHAR_VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    _, features = features_of(target, ids, draft.aux_layers)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[1, 9:] = False
+    anchors = torch.tensor([[7, 0, 3], [2, 8, 5]])
+    with torch.no_grad():
+        every = draft.block_logits(ids, features, valid)
+        some = draft.block_logits(ids, features, valid, anchors)
+    assert some.shape == (2, 3, BLOCK + 1, every.shape[-1])
+    torch.testing.assert_close(some, every[torch.arange(2)[:, None], anchors], atol=1e-5, rtol=1e-5)
+
+
+def test_anchors_are_drawn_among_trainable_positions_without_repeats_and_by_the_seed():
+    from distill.kinds.dflash import pick_anchors
+
+    trainable = torch.zeros(3, 10, dtype=torch.bool)
+    trainable[0, :8] = True
+    trainable[1, 2:4] = True  # fewer trainable positions than anchors: the rest are marked unchosen
+    anchors, chosen = pick_anchors(trainable, 4, seed=5)
+    assert anchors.shape == chosen.shape == (3, 4)
+    for row in range(3):
+        picked = anchors[row][chosen[row]].tolist()
+        assert len(set(picked)) == len(picked) == min(4, int(trainable[row].sum()))
+        assert all(trainable[row, i] for i in picked)
+    again, _ = pick_anchors(trainable, 4, seed=5)
+    assert torch.equal(anchors, again)
+    other = [pick_anchors(trainable, 4, seed=s)[0][0].tolist() for s in range(6, 12)]
+    assert any(o != anchors[0].tolist() for o in other)
+
+
+def test_anchors_are_refused_for_kinds_that_train_every_position():
+    from distill.config import DraftConfig, DistillConfig, Recipe
+
+    Recipe(draft=DraftConfig(kind="dflash"), distill=DistillConfig(anchors=8))
+    with pytest.raises(ValueError, match=r"distill.anchors.*draft.kind=pard.*set distill.anchors=0"):
+        Recipe(draft=DraftConfig(kind="pard", model="x"), distill=DistillConfig(anchors=8))
+    with pytest.raises(ValueError, match=r"distill.anchors.*must be >= 0"):
+        DistillConfig(anchors=-1)
+
+
 def test_the_drafter_proposes_the_trained_block_positions(pair):
     """One round of the decoder's drafter proposes, at draft position k, the argmax of the training pass's block
     position k at the last context position: the block the draft was trained on, not one position off."""
@@ -254,8 +299,10 @@ class Prescribed(torch.nn.Module):
         super().__init__()
         self.draft, self.logits = draft, logits
 
-    def forward(self, ids, features, valid):
-        return self.logits
+    def forward(self, ids, features, valid, anchors=None):
+        if anchors is None:
+            return self.logits
+        return self.logits[torch.arange(len(anchors))[:, None], anchors]  # the rows at the anchors drawn
 
 
 def _by_hand(target, seq: list[int], a: int) -> torch.Tensor:
@@ -279,10 +326,14 @@ def _block_outputs(target, pairs, block: int, shift: int = 0) -> torch.Tensor:
     return out
 
 
-def test_block_position_k_at_i_is_compared_with_the_targets_distribution_over_token_i_plus_k_plus_1(small_target):
+@pytest.mark.parametrize("anchors", [0, 3], ids=["every-anchor", "3-drawn-anchors"])
+def test_block_position_k_at_i_is_compared_with_the_targets_distribution_over_token_i_plus_k_plus_1(
+    small_target, anchors
+):
     """The training step's rows (distill.kinds.dflash.block_loss after the target's side): block position k of
-    anchor i against the target's distribution over token i + k + 1, computed by hand from the prefix; block
-    outputs one token off either way are not what it trains towards."""
+    anchor i against the target's distribution over token i + k + 1, computed by hand from the prefix, whether
+    every anchor is trained or a few drawn ones (distill.anchors); block outputs one token off either way are not
+    what it trains towards."""
     from distill.config import DistillConfig
     from distill.data.prompts import collate_training
     from distill.kinds.dflash import block_loss
@@ -290,7 +341,7 @@ def test_block_position_k_at_i_is_compared_with_the_targets_distribution_over_to
     from tests.test_alignment import pairs_of
 
     pairs, block = pairs_of(), 3
-    cfg = DistillConfig(loss="fkl", loss_positions="all")
+    cfg = DistillConfig(loss="fkl", loss_positions="all", anchors=anchors)
     batch = collate_training(pairs, 0, loss_positions=cfg.loss_positions)
     draft = dflash.build(small_target, [0, 1, 2], block_size=block, mask_token_id=0)
     side = eagle3_train.target_side(small_target, batch, draft, cfg.temperature)

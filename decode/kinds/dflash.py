@@ -259,8 +259,10 @@ class DFlashDraft(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.norm(x).to(self.lm_head.weight.dtype)).float().unflatten(1, (n, width))
 
-    def block_logits(self, ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Training: the logits [B, S, K + 1, V] of the block at every anchor i of a sequence, in one pass.
+    def block_logits(
+        self, ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Training: the logits [B, N, K + 1, V] of the block at each anchor i of a sequence, in one pass.
 
         The block at anchor i holds x_{i+1} then K mask tokens at positions i + 1 .. i + K + 1 and sees the
         context of the real positions <= i: exactly what one decoding round sees after committing x_0..x_{i+1}.
@@ -269,17 +271,19 @@ class DFlashDraft(nn.Module):
 
         Args:
             ids: [B, S]; features: [B, S, n * H_target] the target's hidden states at ``aux_layers``; valid: [B, S]
-                bool, padding on the right.
+                bool, padding on the right; anchors: [B, N] the anchor positions, default every position (N = S).
         """
         batch, width = ids.shape
         block = self.block_size + 1
         arange = torch.arange(width, device=ids.device)
+        if anchors is None:
+            anchors = arange.expand(batch, width)
         ctx_kv = self.context(features, arange.expand(batch, width))
-        first = eagle3.shift_left(ids, 1)  # x_{i+1} at anchor i
-        masks = torch.full((batch, width, block - 1), self.mask_token_id, dtype=ids.dtype, device=ids.device)
+        first = eagle3.shift_left(ids, 1).gather(1, anchors)  # x_{i+1} at anchor i
+        masks = torch.full((*anchors.shape, block - 1), self.mask_token_id, dtype=ids.dtype, device=ids.device)
         block_ids = torch.cat([first[..., None], masks], -1)
-        positions = (arange[:, None] + 1 + torch.arange(block, device=ids.device)).expand(batch, -1, -1)
-        ctx_mask = (arange[None, :] <= arange[:, None])[None] & valid.bool()[:, None, :]
+        positions = anchors[..., None] + 1 + torch.arange(block, device=ids.device)
+        ctx_mask = (arange <= anchors[..., None]) & valid.bool()[:, None, :]
         return self.blocks(block_ids, positions, ctx_kv, ctx_mask)
 
 

@@ -63,8 +63,10 @@ class Blocks(nn.Module):
         super().__init__()
         self.draft = draft
 
-    def forward(self, ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        return self.draft.block_logits(ids, features, valid)
+    def forward(
+        self, ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.draft.block_logits(ids, features, valid, anchors)
 
 
 def served(model: nn.Module) -> decoding.DFlashDraft:
@@ -160,6 +162,15 @@ def recorded_layers(recipe: Recipe, target: nn.Module) -> list[int]:
     return [j + 1 for j in planned_layer_ids(recipe, layers)]
 
 
+def pick_anchors(trainable: torch.Tensor, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """N anchors per row drawn at random without replacement among the ``trainable`` [B, S] positions:
+    (anchors [B, N] long, chosen [B, N] bool; a row with fewer than N trainable positions fills the rest with
+    unchosen ones). ``seed`` makes the draw a function of the batch, so a resumed run draws the same anchors."""
+    score = torch.rand(trainable.shape, generator=torch.Generator().manual_seed(seed)).to(trainable.device)
+    top = score.masked_fill(~trainable, -1.0).topk(min(n, trainable.shape[1]), dim=1)
+    return top.indices, top.values >= 0
+
+
 def block_loss(
     model: nn.Module, side: eagle3_train.TargetSide, batch: dict[str, torch.Tensor], cfg: DistillConfig
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -168,20 +179,29 @@ def block_loss(
     ``train/loss_k`` and ``train/acc_k`` (k counted from 0 for the first drafted token, as the other kinds log).
 
     Block position k at anchor i is compared with the target's row i + k (the distribution over token i + k + 1)
-    where both are real positions and the batch's loss_mask keeps row i + k.
+    where both are real positions and the batch's loss_mask keeps row i + k. The anchors are every position, or
+    with ``cfg.anchors`` N, N drawn per sequence among those whose first block position is trained.
     """
     valid = batch["attention_mask"].bool()
-    logits = model(batch["input_ids"], side.features, valid)  # [B, S, K + 1, V]
+    loss_mask = batch["loss_mask"].bool()
     width = valid.shape[1]
+    if cfg.anchors:
+        trainable = decoding.block_mask(valid, 1) & eagle3.shift_left(batch["loss_mask"], 1).bool()
+        anchors, chosen = pick_anchors(trainable, cfg.anchors, seed=int(batch["input_ids"].sum()))
+    else:
+        anchors = torch.arange(width, device=valid.device).expand(valid.shape[0], width)
+        chosen = torch.ones_like(anchors, dtype=torch.bool)
+    logits = model(batch["input_ids"], side.features, valid, anchors)  # [B, N, K + 1, V]
     log_p = side.log_p.flatten(0, 1)  # [B * S, V + 1]
     total, weights, stats = None, 0.0, {}
     for k in range(1, logits.shape[2]):
-        mask = decoding.block_mask(valid, k) & eagle3.shift_left(batch["loss_mask"], k).bool()
+        trained = decoding.block_mask(valid, k) & eagle3.shift_left(loss_mask.long(), k).bool()
+        mask = chosen & trained.gather(1, anchors)
         if not bool(mask.any()):
             continue  # sequences too short for this position
-        rows_b, rows_i = mask.nonzero(as_tuple=True)
-        teacher_rows = rows_b * width + rows_i + k
-        student = logits[rows_b, rows_i, k]
+        rows_b, rows_n = mask.nonzero(as_tuple=True)
+        teacher_rows = rows_b * width + anchors[rows_b, rows_n] + k
+        student = logits[rows_b, rows_n, k]
         log_pt = log_p[teacher_rows]
         log_ps = eagle3_train.student_log_probs(student, log_pt[:, -1:], cfg.temperature)
         loss_k = losses.divergence(log_ps, log_pt, cfg.loss, cfg.beta).mean()
