@@ -412,3 +412,37 @@ def test_a_dflash_draft_trained_through_train_distill_is_accepted(learnable, tmp
     before, after = trained_acceptance(learnable, tmp_path / "run", steps=100, lr=1e-2)
     assert before < 0.02, before
     assert (after > 0.015) != off_by_one, (before, after)
+
+
+@pytest.mark.slow
+def test_a_dflash_run_killed_and_resumed_ends_where_the_uninterrupted_one_does(tmp_path):
+    """train/distill.py with a DFlash draft and drawn anchors (distill.anchors), SIGKILLed once checkpoint 3 is
+    complete and run again with --resume, ends with the parameters and losses of the same run left alone: the
+    anchors a step draws depend on its batch only."""
+    from tests.test_distill_e2e import kill_at_checkpoint, launch, write_recipe
+    from tests.test_eagle3_train import head_recipe
+    from tests.tiny import make_pair, make_prompts
+
+    target, _ = make_pair(tmp_path / "assets")
+    assets = {
+        "target": target,
+        "train": make_prompts(tmp_path / "train.jsonl", 24, seed=1),
+        "eval": make_prompts(tmp_path / "eval.jsonl", 3, seed=2),
+    }
+    draft = {"kind": "dflash", "vocab_subset": 0, "block_size": 3, "num_layers": 1}
+    runs = {}
+    for name in ("whole", "killed"):
+        out = tmp_path / name
+        recipe = write_recipe(tmp_path, head_recipe(assets, out, draft=draft, distill={"anchors": 4}), f"{name}.yaml")
+        if name == "killed":
+            kill_at_checkpoint(recipe, out, step=3)
+            proc = launch(recipe, "--resume")
+            assert "resumed from" in proc.stdout, proc.stdout[-2000:]
+        else:
+            proc = launch(recipe)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = json.loads((out / "report.json").read_text())
+    whole, killed = runs["whole"], runs["killed"]
+    assert [c["step"] for c in killed["checkpoints"]] == [0, 3, 6]
+    assert killed["param_checksums"] == pytest.approx(whole["param_checksums"], rel=1e-9)
+    assert [c["loss"] for c in killed["checkpoints"]] == pytest.approx([c["loss"] for c in whole["checkpoints"]])
