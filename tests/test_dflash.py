@@ -119,7 +119,7 @@ def test_anchors_are_drawn_among_trainable_positions_without_repeats_and_by_the_
 
 
 def test_anchors_are_refused_for_kinds_that_train_every_position():
-    from distill.config import DraftConfig, DistillConfig, Recipe
+    from distill.config import DistillConfig, DraftConfig, Recipe
 
     Recipe(draft=DraftConfig(kind="dflash"), distill=DistillConfig(anchors=8))
     with pytest.raises(ValueError, match=r"distill.anchors.*draft.kind=pard.*set distill.anchors=0"):
