@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -62,9 +63,14 @@ def tiny_run_paths(root: Path, train_prompts: int = 8) -> dict:
 
 
 def child_pids(pid: int) -> list[int]:
-    """The direct children of process `pid`."""
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(c) for c in path.read_text().split()] if path.is_file() else []
+    """The direct children of process `pid` (started by any of its threads)."""
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found += [int(c) for c in children.read_text().split() if int(c) not in found]
+        except OSError:
+            continue  # the thread or the process exited meanwhile
+    return found
 
 
 def wait_for_child(pid: int, marker: str, timeout_s: float) -> int:
@@ -90,9 +96,56 @@ def running(pid: int) -> bool:
         return False
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, children first. torch's elastic agent (accelerate launch, torch.distributed.run)
+    starts each worker in a session of its own, so a signal to the launcher's process group misses them."""
+    found, todo = [], child_pids(pid)
+    while todo:
+        child = todo.pop(0)
+        found.append(child)
+        todo += child_pids(child)
+    return found
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """`sig` to `pid`'s process group and to every process below it (workers in sessions of their own too)."""
+    for target in [pid, *descendants(pid)]:
+        try:
+            os.kill(target, sig)
+        except ProcessLookupError:
+            pass  # it exited meanwhile
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def stop_tree(pid: int, grace_s: float = 10.0) -> None:
+    """SIGABRT to the tree under `pid` (each Python process with PYTHONFAULTHANDLER=1 writes its stacks), then,
+    after `grace_s`, SIGKILL to whatever is left of it: nothing a hung test started outlives the test."""
+    tree = [pid, *descendants(pid)]  # read before the launcher dies and its workers are re-parented
+    signal_tree(pid, signal.SIGABRT)
+    deadline = time.time() + grace_s
+    while time.time() < deadline and any(running(p) for p in tree):
+        time.sleep(0.2)
+    for target in tree:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def free_port() -> int:
+    """A TCP port free now, for a launch's rendezvous: each multi-process run gets its own instead of accelerate's
+    fixed 29500, which a run still closing down (or anything else on the machine) may hold."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_captured(cmd: list[str], *, env: dict, cwd: Path | str, timeout: float) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, capture_output=True, text=True)` for a run that may start processes of its own
-    (accelerate launch, its workers): past `timeout` every process of the group gets SIGABRT first, so that
+    (accelerate launch, its workers): past `timeout` every process below it gets SIGABRT first, so that
     Python's faulthandler writes each one's stacks to the captured stderr, and the test fails with them (where a
     run hung) instead of a bare TimeoutExpired."""
     env = dict(env, PYTHONFAULTHANDLER="1")
@@ -102,16 +155,12 @@ def run_captured(cmd: list[str], *, env: dict, cwd: Path | str, timeout: float) 
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
+        stop_tree(proc.pid, grace_s=20)
         try:
-            stdout, stderr = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # a worker the launcher left behind
-        except ProcessLookupError:
-            pass
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a pipe still held open: fail with what is known
+            proc.kill()
+            stdout, stderr = "", "(its output could not be read: a process still holds the pipes)"
         import pytest
 
         pytest.fail(f"{' '.join(map(str, cmd[:6]))}... ran past {timeout:.0f} s; its stacks:\n{stderr[-12000:]}")

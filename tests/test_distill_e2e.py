@@ -20,7 +20,7 @@ import yaml
 from distill.config import TrainConfig
 from distill.training.checkpoints import CheckpointInfo, select_best
 from distill.training.schedule import lr_multiplier
-from tests.procs import HAS_PROC, run_captured, running, wait_for_child
+from tests.procs import HAS_PROC, free_port, run_captured, running, wait_for_child
 from tests.tiny import make_pair, make_prompts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,7 +62,7 @@ def write_recipe(tmp: Path, recipe: dict, name: str = "recipe.yaml") -> Path:
 
 def launch(recipe: Path, *extra: str, processes: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes)]
-    cmd += ["--multi_gpu"] if processes > 1 else ["--cpu"]
+    cmd += ["--multi_gpu", "--main_process_port", str(free_port())] if processes > 1 else ["--cpu"]
     cmd += [SCRIPT, "--recipe", str(recipe), *extra]
     e = env()
     if processes > 1:

@@ -29,7 +29,7 @@ from distill.training.distributed import (
     requested_engine,
     rollout_draft,
 )
-from tests.procs import run_captured
+from tests.procs import free_port, run_captured
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -152,7 +152,8 @@ def test_fsdp_config_on_cpu_runs_data_parallel_and_says_so(tmp_path):
         log={"report_to": "none", "every": 1},
     )
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/fsdp.yaml"]
-    cmd += ["--num_processes", "2", "--mixed_precision", "no", "train/distill.py", "--recipe", str(recipe)]
+    cmd += ["--num_processes", "2", "--main_process_port", str(free_port()), "--mixed_precision", "no"]
+    cmd += ["train/distill.py", "--recipe", str(recipe)]
     proc = run_captured(cmd, env=dict(env(), ACCELERATE_USE_CPU="1"), timeout=400, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "distributed: MULTI_CPU, 2 processes, every process holds the whole draft" in proc.stdout

@@ -40,7 +40,16 @@ from distill.training.run_state import (
     trim_metrics,
 )
 from distill.training.tracking import tracker_setup
-from tests.procs import HAS_PROC, load_script, running, tiny_recipe, tiny_run_paths, wait_for_child
+from tests.procs import (
+    HAS_PROC,
+    free_port,
+    load_script,
+    running,
+    stop_tree,
+    tiny_recipe,
+    tiny_run_paths,
+    wait_for_child,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -659,7 +668,7 @@ def start_slowed(tmp_path: Path, name: str, recipe: dict, *args: str, step_s: fl
     cmd = [sys.executable, str(script)]
     if processes > 1:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--multi_gpu"]
-        cmd.append(str(script))
+        cmd += ["--main_process_port", str(free_port()), str(script)]
         env["ACCELERATE_USE_CPU"] = "1"
     cmd += [str(REPO), str(step_s), str(hold_at), "--recipe", str(recipe_path), *args]
     with log.open("w") as f:
@@ -675,9 +684,7 @@ def finish(proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> tuple[i
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
-        time.sleep(10)
-        os.killpg(proc.pid, signal.SIGKILL)
+        stop_tree(proc.pid)
         pytest.fail(f"the run ran past {timeout_s:.0f} s; its stacks:\n{log.read_text()[-12000:]}")
     return proc.returncode, log.read_text()
 

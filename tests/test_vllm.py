@@ -1074,6 +1074,36 @@ def test_vllm_continuations_equal_the_targets_own_greedy_ones(vllm_ok, tmp_path,
     assert pregenerate_with_vllm(recipe, again, examples, progress=False) == 0
 
 
+@pytest.mark.slow
+def test_sampled_continuations_of_prompts_past_a_steps_token_budget(vllm_ok, tmp_path, padded_pair, monkeypatch):
+    """T > 0: every prompt's sampling is seeded, and vLLM on CPU stops ("CPU Generator does not use offset") when
+    it splits a seeded prompt's prefill over two steps, as it does once a call's prompts pass a step's token
+    budget. Here 16 prompts of ~100 tokens meet a 256-token budget: each prompt is prefilled whole, all are
+    generated, and they are samples (not one greedy text)."""
+    from transformers import AutoTokenizer
+
+    from distill.data.prompts import encode_examples
+    from distill.data.rollouts import RolloutSource
+    from distill.data.vllm_rollouts import ENGINE_ARGS_ENV, pregenerate_with_vllm
+    from distill.models import load_target
+
+    target_dir, _, _ = padded_pair
+    monkeypatch.setenv(ENGINE_ARGS_ENV, '{"enforce_eager": true, "max_num_batched_tokens": 256}')
+    overrides = [f"target.model={target_dir}", "target.dtype=float32", "distill.gen_temperature=1",
+                 "distill.max_new_tokens=8", "distill.pregenerate_batch_size=64", "data.engine=vllm"]  # fmt: skip
+    recipe = load_recipe(None, overrides)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = load_target(recipe.target, device="cpu")
+    rows = [{"prompt": json.loads(line)["prompt"]} for line in make_prompts(tmp_path / "p.jsonl", 16, chars=400)
+            .read_text().splitlines()]  # fmt: skip
+    examples = encode_examples(rows, tokenizer, recipe.data, 200, 8)
+    assert sum(len(e.prompt_ids) for e in examples) > 4 * 256, "the prompts must pass the budget several times"
+    source = RolloutSource(recipe.distill, target, tokenizer, cache_dir=tmp_path / "cache", vocab=VOCAB)
+    assert pregenerate_with_vllm(recipe, source, examples, progress=False) == len(examples)
+    got = [source.cache.get(e) for e in examples]
+    assert all(got) and len({tuple(c) for c in got}) > len(got) // 2
+
+
 def _vllm_run(tmp_path, padded_pair, kind: str) -> subprocess.CompletedProcess:
     from tests.procs import run_distill, tiny_recipe
     from tests.tiny import make_prompts

@@ -95,6 +95,16 @@ def model_len(prompts: Sequence[Sequence[int]], max_new_tokens: int, context: in
     return min(context, rounded) if context else rounded
 
 
+def scheduling_args(temperature: float, max_model_len: int) -> dict[str, Any]:
+    """vLLM settings under which sampled continuations run: each prompt's sampling is seeded, and vLLM 0.32 on CPU
+    stops ("CPU Generator does not use offset") when it rewinds the generator of a prompt whose prefill it split
+    over two steps, which it does once a call's prompts pass a step's token budget (4096 tokens). At T > 0 every
+    prompt is therefore prefilled whole: chunked prefill off, a step's budget at least one whole sequence."""
+    if temperature <= 0:
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
+
+
 def engine_args(env: dict[str, str] | None = None) -> dict[str, Any]:
     """`DRAFTSMITH_VLLM_ENGINE_ARGS` as a dict ({} when unset).
 
@@ -187,15 +197,14 @@ def pregenerate_with_vllm(
         }
         bar = tqdm(total=len(todo), desc="target rollouts (vllm)", unit="prompt", disable=not (progress and is_main))
         with target_dir(recipe.target.model, recipe.target.revision, source.target, cache.directory) as model:
+            max_len = model_len([e.prompt_ids for e in todo], cfg.max_new_tokens, context_length(source.target))
             worker = Worker(
                 target=model,
                 draft=None,
                 num_draft_tokens=0,
                 dtype=vllm_dtype(source.target),
-                max_model_len=model_len(
-                    [e.prompt_ids for e in todo], cfg.max_new_tokens, context_length(source.target)
-                ),
-                engine_args={**DEFAULT_ENGINE_ARGS, **args},
+                max_model_len=max_len,
+                engine_args={**DEFAULT_ENGINE_ARGS, **scheduling_args(cfg.gen_temperature, max_len), **args},
                 env=worker_env(device, world, args),
             )
             try:
