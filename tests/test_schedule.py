@@ -168,14 +168,21 @@ def test_generation_warning_projects_the_rate_so_far_onto_every_prompt():
         "(data.max_train_prompts), shorter continuations (distill.max_new_tokens) or a larger train.max_minutes"
     )
     assert generation_warning(16 * 60.0, 100, 100, max_minutes=30.0) is not None  # done: it took more than half
+    # 90 s of start-up in the first batch of 10, then 1 s a prompt: 90 + 990 s projected (18 of 30 minutes) ...
+    assert generation_warning(100.0, 20, 1000, 30.0, first_s=90.0, first_done=10) is not None
+    # ... 0.5 s a prompt: 90 + 495 s (9.8 minutes): no warning, where the rate with the start-up gave 75 minutes
+    assert generation_warning(95.0, 20, 1000, 30.0, first_s=90.0, first_done=10) is None
+    assert generation_warning(95.0, 20, 1000, 30.0) is not None
+    assert generation_warning(90.0, 10, 1000, 30.0, first_s=90.0, first_done=10) is None  # no rate yet: 1.5 min
 
 
 def test_generation_watch_warns_once_and_only_where_enabled():
     lines: list[str] = []
     watch = GenerationWatch(max_minutes=1.0, write=lines.append)
-    watch(1, 100)  # a fraction of a second for a hundredth: nowhere near half a minute
+    watch.start -= 20.0  # the first batch took 20 s (start-up): no rate yet, 20 s is under half a minute
+    watch(1, 100)
     assert lines == []
-    watch.start -= 20.0  # 20 s spent by the first tenth: 200 s projected
+    watch.start -= 20.0  # 20 s for the next 9 prompts: over 200 s projected
     watch(10, 100)
     watch(20, 100)
     assert len(lines) == 1 and "train.max_minutes=1 " in lines[0] and "(10 of 100 prompts" in lines[0]

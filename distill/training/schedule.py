@@ -85,16 +85,21 @@ def build_budget_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def generation_warning(spent_s: float, done: int, total: int, max_minutes: float) -> str | None:
+def generation_warning(
+    spent_s: float, done: int, total: int, max_minutes: float, first_s: float = 0.0, first_done: int = 0
+) -> str | None:
     """The warning line when generating the target's continuations before the first step is on course to take
-    more than half of `max_minutes` (train.max_minutes; 0: no budget, no warning), projected from its rate so far:
-    `done` of `total` prompts in `spent_s` seconds. None while it is not.
+    more than half of `max_minutes` (train.max_minutes; 0: no budget, no warning): `done` of `total` prompts in
+    `spent_s` seconds, the rest projected at the rate since the first batch (`first_done` prompts in `first_s`
+    seconds; 0, 0: from the start). None while it is not.
 
-    The projection is made after every batch. The prompts come shortest first, so it tends to err low rather
+    The first batch carries the engine's start-up (vLLM: a minute of loading and compiling), so a projection from
+    it alone would be far too high. The prompts come shortest first, so the projection tends to err low rather
     than high, and it passes half the budget at the latest when the generation itself does."""
     if max_minutes <= 0 or done <= 0 or total <= 0:
         return None
-    projected_min = spent_s * total / done / 60.0
+    rate_s = (spent_s - first_s) / (done - first_done) if done > first_done else 0.0
+    projected_min = (spent_s + (total - done) * rate_s) / 60.0
     if projected_min <= max_minutes / 2:
         return None
     return (
@@ -108,19 +113,24 @@ def generation_warning(spent_s: float, done: int, total: int, max_minutes: float
 class GenerationWatch:
     """The per-batch callback of the generation before the first step (`RolloutSource.pregenerate(on_batch=...)`,
     called with prompts done and total): prints :func:`generation_warning`'s line once, when `enabled` (the main
-    process). Its seconds count from its construction, just before the generation starts."""
+    process). Its seconds count from its construction, just before the generation starts; the rate it projects
+    from is the one after the first batch (start-up excluded)."""
 
     def __init__(self, max_minutes: float, enabled: bool = True, write: Callable[[str], None] | None = None) -> None:
         self.max_minutes = max_minutes
         self.enabled = enabled
         self.write = write or _write_above_the_bar
         self.start = time.perf_counter()
+        self.first: tuple[float, int] | None = None  # seconds and prompts at the first batch's end
         self.warned = False
 
     def __call__(self, done: int, total: int) -> None:
         if self.warned or not self.enabled:
             return
-        line = generation_warning(time.perf_counter() - self.start, done, total, self.max_minutes)
+        spent_s = time.perf_counter() - self.start
+        if self.first is None:
+            self.first = (spent_s, done)
+        line = generation_warning(spent_s, done, total, self.max_minutes, *self.first)
         if line is not None:
             self.warned = True
             self.write(line)
