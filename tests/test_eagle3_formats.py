@@ -292,6 +292,7 @@ def test_distill_continues_training_a_head_others_trained(assets, tmp_path, fmt)
                          train={"max_steps": 3}, eval={"every": 3})  # fmt: skip
     proc = launch(write_recipe(tmp_path, recipe))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "draft vocabulary of" in proc.stdout and "tokens (the loaded head's own)" in proc.stdout  # every 2nd id
     start = eagle3.load(out / "checkpoints" / "step-0", target)
     for name, value in tensors.items():
         if name in start.state_dict():

@@ -116,6 +116,8 @@ def build_draft(
     head = eagle3_train.initial_head(recipe, target, ids, resume_from)
     if is_main:
         size, layers = len(head.draft_ids), head.aux_layers
+        if head.draft_ids.tolist() != list(ids):
+            where = "the loaded head's own"  # draft.model's or a checkpoint's head keeps the vocabulary it has
         print(f"eagle3 head: draft vocabulary of {size} of {vocab_size} tokens ({where}), aux layers {layers}")
     if teachers is not None and head.aux_layers != eagle3_train.planned_aux_layers(recipe, target):
         teachers.clear()  # draft.model's head reads other layers than those kept while generating
