@@ -106,7 +106,7 @@ def vllm_generation_only(recipe, source, examples, repeats: int) -> dict:
     from decode.vllm_engine import Worker
     from distill.data import vllm_rollouts as vr
 
-    cfg, size = recipe.distill, recipe.distill.pregenerate_batch_size
+    cfg, size = recipe.distill, vr.call_size(recipe.distill.pregenerate_batch_size)
     todo = sorted(examples, key=lambda e: len(e.prompt_ids))
     request = {"op": "generate", "max_tokens": cfg.max_new_tokens, "temperature": cfg.gen_temperature, "top_p": 1.0,
                "top_k": 0, "seed": recipe.train.seed, "stop_token_ids": list(source.eos_token_id),

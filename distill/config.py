@@ -237,7 +237,7 @@ class DistillConfig:
         64,
         "source=target/mix: prompts per batch when the target's continuations are generated before the first step "
         "(larger batches keep the hardware busier: on a CPU, 64 generates ~2x the tokens/s of 16; lower it if "
-        "memory is short)",
+        "memory is short); data.engine=vllm: prompts per vLLM call, at least 512",
     )
     cache_teacher: bool = _f(
         False,
