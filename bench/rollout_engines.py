@@ -108,16 +108,14 @@ def vllm_generation_only(recipe, source, examples, repeats: int) -> dict:
 
     cfg, size = recipe.distill, vr.call_size(recipe.distill.pregenerate_batch_size)
     todo = sorted(examples, key=lambda e: len(e.prompt_ids))
-    request = {"op": "generate", "max_tokens": cfg.max_new_tokens, "temperature": cfg.gen_temperature, "top_p": 1.0,
-               "top_k": 0, "seed": recipe.train.seed, "stop_token_ids": list(source.eos_token_id),
-               "vocab": vr._shared_vocab(source)}  # fmt: skip
+    request = vr.generate_request(recipe, source)
     with tempfile.TemporaryDirectory() as scratch:
         with vr.target_dir(recipe.target.model, None, source.target, Path(scratch)) as model:
+            max_len = vr.model_len([e.prompt_ids for e in todo], cfg.max_new_tokens, context_length(source.target))
+            args = vr.generation_engine_args(cfg.gen_temperature, max_len, vr.engine_args())
             t0 = time.perf_counter()
             worker = Worker(target=model, draft=None, num_draft_tokens=0, dtype=vr.vllm_dtype(source.target),
-                            max_model_len=vr.model_len([e.prompt_ids for e in todo], cfg.max_new_tokens,
-                                                       context_length(source.target)),
-                            engine_args={**vr.DEFAULT_ENGINE_ARGS, **vr.engine_args()})  # fmt: skip
+                            max_model_len=max_len, engine_args=args)  # fmt: skip
             start_s = time.perf_counter() - t0
             try:
                 passes = []
@@ -143,7 +141,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--max-prompt-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--batch-size", type=int, default=64, help="distill.pregenerate_batch_size")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="distill.pregenerate_batch_size (vllm: at least 512 prompts a call)")  # fmt: skip
     p.add_argument("--dtype", default="auto", help="target.dtype (auto: bf16 where the CPU runs it natively)")
     p.add_argument("--repeats", type=int, default=1, help="vllm generation-only: timed passes after a warm-up")
     p.add_argument("--json", default=None, help="write the figures here too")

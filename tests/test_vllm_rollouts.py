@@ -50,10 +50,10 @@ def test_helpers():
     assert vllm_rollouts.model_len([[1] * 10], 16, 128) == 128
     seeds = {vllm_rollouts.prompt_seed(0, i) for i in range(1000)}
     assert len(seeds) == 1000 and vllm_rollouts.prompt_seed(1, 5) != vllm_rollouts.prompt_seed(0, 5)
-    assert vllm_rollouts.engine_args({}) == {}
     # vLLM gets at least MIN_CALL_PROMPTS prompts a call (its own batch stays full); a larger HF batch is kept
     assert vllm_rollouts.call_size(64) == vllm_rollouts.MIN_CALL_PROMPTS > 64
     assert vllm_rollouts.call_size(4096) == 4096
+    assert vllm_rollouts.engine_args({}) == {}
     assert vllm_rollouts.engine_args({"DRAFTSMITH_VLLM_ENGINE_ARGS": '{"tensor_parallel_size": 2}'}) == {
         "tensor_parallel_size": 2
     }

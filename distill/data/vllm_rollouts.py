@@ -109,6 +109,27 @@ def scheduling_args(temperature: float, max_model_len: int) -> dict[str, Any]:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
 
 
+def generate_request(recipe: Any, source: Any) -> dict[str, Any]:
+    """The worker's `generate` request for a run's continuations, all but its prompts and seeds: the recipe's length
+    and temperature (top-k 0, top-p 1), the target's EOS ids as stop ids, the vocabulary shared with the draft."""
+    return {
+        "op": "generate",
+        "max_tokens": recipe.distill.max_new_tokens,
+        "temperature": recipe.distill.gen_temperature,
+        "top_p": 1.0,
+        "top_k": 0,
+        "seed": recipe.train.seed,
+        "stop_token_ids": list(source.eos_token_id),
+        "vocab": _shared_vocab(source),
+    }
+
+
+def generation_engine_args(temperature: float, max_model_len: int, user_args: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's LLM(...) arguments for generating a run's continuations: the defaults, :func:`scheduling_args`, then
+    `user_args` (:func:`engine_args`), which win."""
+    return {**DEFAULT_ENGINE_ARGS, **scheduling_args(temperature, max_model_len), **user_args}
+
+
 def call_size(pregenerate_batch_size: int) -> int:
     """Prompts per vLLM call: `distill.pregenerate_batch_size` (the HF loop's batch), at least MIN_CALL_PROMPTS."""
     return max(pregenerate_batch_size, MIN_CALL_PROMPTS)
@@ -194,16 +215,7 @@ def pregenerate_with_vllm(
     if todo:
         args = engine_args()
         device = next(source.target.parameters()).device
-        request = {
-            "op": "generate",
-            "max_tokens": cfg.max_new_tokens,
-            "temperature": cfg.gen_temperature,
-            "top_p": 1.0,
-            "top_k": 0,
-            "seed": recipe.train.seed,
-            "stop_token_ids": list(source.eos_token_id),
-            "vocab": _shared_vocab(source),
-        }
+        request = generate_request(recipe, source)
         bar = tqdm(total=len(todo), desc="target rollouts (vllm)", unit="prompt", disable=not (progress and is_main))
         with target_dir(recipe.target.model, recipe.target.revision, source.target, cache.directory) as model:
             max_len = model_len([e.prompt_ids for e in todo], cfg.max_new_tokens, context_length(source.target))
@@ -213,7 +225,7 @@ def pregenerate_with_vllm(
                 num_draft_tokens=0,
                 dtype=vllm_dtype(source.target),
                 max_model_len=max_len,
-                engine_args={**DEFAULT_ENGINE_ARGS, **scheduling_args(cfg.gen_temperature, max_len), **args},
+                engine_args=generation_engine_args(cfg.gen_temperature, max_len, args),
                 env=worker_env(device, world, args),
             )
             try:
