@@ -4,7 +4,7 @@
         [--max-new-tokens 64] [--temperature 0] [--top-p 1.0] [--top-k 0] [--num-draft-tokens N|auto|tree:K,D,N] \\
         [--batch-size 1] [--limit N] [--repeats 3] [--seed 0] [--baselines target,hf] \\
         [--json OUT] [--plot OUT.png] [--samples-out OUT.jsonl] [--dtype float32] [--draft-dtype float32]
-        [--device auto] [--engine draftsmith|vllm]
+        [--device auto] [--engine draftsmith|vllm] [--trust-remote-code]
 
 Example (the stdlib reference pair built by recipes/pretrain/stdlib-*.yaml, greedy, batch 1):
 
@@ -19,17 +19,24 @@ acceptance counters and vLLM-with-draft vs vLLM target-only tokens/s (``decode.v
 Errors in the inputs (missing or empty prompt file, a model path that does not exist, vocabulary mismatch, chat
 prompts for a tokenizer without a chat template, a GGUF file of an architecture transformers cannot load, an EAGLE-3
 head made for another target, prompt past the context) print one ``error: ...`` line and exit with status 2,
-writing nothing; all but the last are found before any weights load.
+writing nothing; all but the last are found before any weights load. So are output paths that cannot be
+written (``--json``, ``--plot``, ``--samples-out``: a directory, a read-only place, a missing directory that cannot
+be created), and a model that ships its own Python code (``auto_map``), which runs only with
+``--trust-remote-code``. Should a file still fail to write once the bench has measured (a full disk), the figures
+are printed to stdout all the same, then one ``error: ...`` line, exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from decode.files import UnwrittenOutput, os_reason, write_whole  # stdlib only
 from decode.vllm_engine import SAMPLE_METHODS  # stdlib only: no vLLM, no torch
 
 if TYPE_CHECKING:  # imported lazily at run time: --help stays fast
@@ -134,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine", choices=ENGINES, default="draftsmith",
         help="draftsmith: its own speculative decoder vs its baselines; vllm: vLLM with the draft vs vLLM target-only",
     )  # fmt: skip
+    b.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="run the Python a --target or --draft ships (auto_map in its config.json); without it such a model "
+        "is refused",
+    )  # fmt: skip
     return parser
 
 
@@ -146,10 +158,11 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type != "cpu" or cpu_has_native_bf16() else torch.float32
 
 
-def _load(path: str, dtype, device, key: str):
+def _load(path: str, dtype, device, key: str, trust_remote_code: bool = False):
     from decode import sources
 
-    return sources.load_model(path, key=key, dtype=dtype).to(device).eval()  # a .gguf file is dequantized
+    model = sources.load_model(path, key=key, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.to(device).eval()  # a .gguf file is dequantized
 
 
 def draft_vocab_ids(value: str, draft: str) -> list[int] | None:
@@ -204,17 +217,19 @@ def check_inputs(args: argparse.Namespace) -> tuple[Any, Any, list[dict]]:
     from decode.kinds import dflash, eagle3
     from decode.prompts import load_prompts
 
-    target_tok = sources.load_tokenizer(args.target, key="--target")
+    trust = {"trust_remote_code": args.trust_remote_code}
+    target_tok = sources.load_tokenizer(args.target, key="--target", **trust)
     raw = dflash.folder_config_dict(args.draft)
     if raw is not None:  # a DFlash draft reads the target's states and writes through its output layer
-        dflash.fitted_config(raw, args.draft, sources.load_config(args.target, key="--target"), args.target)
+        dflash.fitted_config(raw, args.draft, sources.load_config(args.target, key="--target", **trust), args.target)
         return target_tok, target_tok, load_prompts(args.prompts, tokenizer=target_tok)
     if eagle3.is_eagle3(args.draft):  # a head over the target's own states: the target's tokens by construction
-        eagle3.folder_config(args.draft, sources.load_config(args.target, key="--target"), args.target)  # its target?
+        target_config = sources.load_config(args.target, key="--target", **trust)
+        eagle3.folder_config(args.draft, target_config, args.target)  # made for this target?
         return target_tok, target_tok, load_prompts(args.prompts, tokenizer=target_tok)
-    draft_tok = sources.load_tokenizer(args.draft, key="--draft")
-    target_shape = sources.config_only(args.target, key="--target")
-    draft_shape = sources.config_only(args.draft, key="--draft")
+    draft_tok = sources.load_tokenizer(args.draft, key="--draft", **trust)
+    target_shape = sources.config_only(args.target, key="--target", **trust)
+    draft_shape = sources.config_only(args.draft, key="--draft", **trust)
     if target_shape and draft_shape:
         check_vocab_compatible(target_shape, draft_shape, target_tok, draft_tok)
     return target_tok, draft_tok, load_prompts(args.prompts, tokenizer=target_tok)
@@ -243,19 +258,109 @@ def plot(result: dict, out: str | Path) -> None:
     plt.close(fig)
 
 
+OUTPUTS = (("json_out", "--json"), ("plot", "--plot"), ("samples_out", "--samples-out"))  # (args attribute, flag)
+
+
+def unwritable(path: str | Path) -> str | None:
+    """Why no file can be written at ``path``, or None; nothing is created. Missing directories on the way are
+    fine where they can be made (the bench creates them when it writes); a device or pipe is taken as it is."""
+    import tempfile
+
+    p = Path(path).expanduser()
+    try:
+        if p.is_dir():
+            return "is a directory"
+        if p.exists():
+            if p.is_file():
+                with p.open("ab"):  # opened for appending, nothing appended: the file stays as it is
+                    pass
+            return None
+        parent = p.parent
+        while not parent.exists():  # the directory the missing ones would be made in
+            parent = parent.parent
+    except OSError as e:
+        return f"cannot be written ({os_reason(e)})"
+    if not parent.is_dir():
+        return f"{parent} is a file, so no directory can be made there"
+    try:
+        with tempfile.TemporaryFile(dir=parent):  # unnamed where the OS allows it: nothing appears in the folder
+            pass
+    except OSError as e:
+        return f"no file can be created in {parent} ({os_reason(e)})"
+    return None
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """``--json``, ``--plot`` and ``--samples-out`` writable, and distinct, before anything loads or is measured:
+    a ValueError line naming the flag and the path otherwise."""
+    seen: dict[str, str] = {}
+    for attr, flag in OUTPUTS:
+        path = getattr(args, attr)
+        if path is None:
+            continue
+        problem = unwritable(path)
+        if problem:
+            raise ValueError(f"{flag} {path}: {problem}; choose a path where a file can be written")
+        where = os.path.abspath(os.path.expanduser(path))
+        if where in seen:
+            raise ValueError(f"{seen[where]} and {flag} both name {path}: give each its own file")
+        seen[where] = flag
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib, or drop --plot")
+
+
+def write_outputs(result: dict, args: argparse.Namespace) -> list[str]:
+    """``--json`` and ``--plot`` from the measured ``result``, each whole or not at all; what could not be
+    written, one phrase per flag (the caller still has the figures)."""
+    writers = {
+        "json_out": lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8"),
+        "plot": lambda tmp: plot(result, tmp),
+    }
+    failed = []
+    for attr, flag in OUTPUTS:
+        path = getattr(args, attr)
+        if path is None or attr not in writers:
+            continue
+        try:
+            write_whole(path, writers[attr])
+        except OSError as e:
+            failed.append(f"{flag} {path}: not written ({os_reason(e)})")
+    return failed
+
+
+def read_by_draftsmith(draft: str) -> bool:
+    """A draft folder that draftsmith's own code reads (an EAGLE-3 head, a DFlash draft), and vLLM its own: an
+    ``auto_map`` in it is never imported."""
+    from decode.kinds import dflash, eagle3
+
+    return eagle3.is_eagle3(draft) or dflash.is_dflash_folder(draft)
+
+
 def bench(args: argparse.Namespace) -> dict:
-    """Measure the pair with the chosen engine and write ``--json`` / ``--plot``; the bench JSON dict."""
+    """Measure the pair with the chosen engine and write ``--json`` / ``--plot``; the bench JSON dict.
+
+    Raises:
+        ValueError: a bad input, before anything is written.
+        UnwrittenOutput: measured, but an output file could not be written; it carries the figures.
+    """
     from decode import sources
 
+    check_output_paths(args)
     if not Path(args.prompts).is_file():
         raise ValueError(f"prompt file not found: {args.prompts}")
     for name, key in ((args.target, "--target"), (args.draft, "--draft")):
         sources.resolve_model_path(name, key)  # a typo'd path: "not found", not the Hub's complaint about its form
-    result = bench_vllm(args) if args.engine == "vllm" else bench_draftsmith(args)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    if args.plot:
-        plot(result, args.plot)
+    sources.check_remote_code(args.target, "--target", args.trust_remote_code)
+    if sources.shipped_code(args.draft) and not read_by_draftsmith(args.draft):
+        sources.check_remote_code(args.draft, "--draft", args.trust_remote_code)
+    failed = []
+    try:
+        result = bench_vllm(args) if args.engine == "vllm" else bench_draftsmith(args)
+    except UnwrittenOutput as e:  # the samples file
+        result, failed = e.result, [f"--samples-out {e}"]
+    failed += write_outputs(result, args)
+    if failed:
+        raise UnwrittenOutput(result, "; ".join(failed))
     return result
 
 
@@ -289,14 +394,14 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
         else torch.device(args.device)
     )
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(device)
-    target = _load(args.target, dtype, device, "--target")
+    target = _load(args.target, dtype, device, "--target", args.trust_remote_code)
     draft_dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else dtype
     if block_states:
         draft = dflash.load(args.draft, target).to(draft_dtype)
     elif head:
         draft = eagle3.load(args.draft, target).to(draft_dtype)
     else:
-        draft = _load(args.draft, draft_dtype, device, "--draft")
+        draft = _load(args.draft, draft_dtype, device, "--draft", args.trust_remote_code)
     check_vocab_compatible(target, draft, target_tok, draft_tok)  # the loaded output widths (padded embeddings)
     if args.limit is not None:
         prompts = prompts[: args.limit]
@@ -334,7 +439,7 @@ def bench_vllm(args: argparse.Namespace) -> dict:
         args.target, args.draft, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, num_draft_tokens=args.num_draft_tokens, batch_size=args.batch_size,
         repeats=args.repeats, seed=args.seed, dtype=dtype, samples_out=args.samples_out,
-        draft_sample_method=args.draft_sample_method,
+        draft_sample_method=args.draft_sample_method, trust_remote_code=args.trust_remote_code,
     )  # fmt: skip
     return result
 
@@ -346,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except UnwrittenOutput as e:  # the measurement is never lost: its figures go to stdout all the same
+        print(json.dumps(e.result, indent=2), flush=True)
+        print(f"error: {e}; the figures are printed above", file=sys.stderr)
+        return 1
     print(json.dumps(result, indent=2))
     return 0
 

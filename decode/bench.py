@@ -46,6 +46,7 @@ from decode import kernels
 from decode.compat import check_context, check_vocab_compatible, logits_width, text_config, with_rows
 from decode.draft_length import AutoDraftLength, TreeShape, is_tree_spec, parse_tree
 from decode.draft_vocab import with_subset_head
+from decode.files import UnwrittenOutput, os_reason, write_whole
 from decode.kinds import BLOCK_KINDS, forwards_per_round, kind_of
 from decode.metrics import (
     ForwardCostMeter,
@@ -409,6 +410,9 @@ def run_bench(
 
     Returns:
         The bench JSON dict (docs/bench.md), detail keys included (per-method rates, forward times, protocol).
+
+    Raises:
+        UnwrittenOutput: ``samples_out`` could not be written; its ``result`` is the bench JSON dict.
     """
     if not prompts:
         raise ValueError("no prompts to bench")
@@ -511,10 +515,7 @@ def run_bench(
         agreement = greedy_agreement(target, batches, outputs)
         match = agreement["rows_equal"]["speculative"] == agreement["rows"]
 
-    if samples_out is not None:
-        _write_samples(samples_out, tokenizer, prompts, batches, outputs, batch_size)
-
-    return {
+    result = {
         **result_header(
             target_name,
             draft_name,
@@ -588,6 +589,12 @@ def run_bench(
         # 1-minute load average at start and end: timings on a shared machine are only as good as its quiet.
         "load_avg": {"start": load_start, "end": _load_avg()},
     }
+    if samples_out is not None:
+        try:
+            write_whole(samples_out, lambda tmp: _write_samples(tmp, tokenizer, prompts, batches, outputs, batch_size))
+        except OSError as e:  # the figures are measured: they travel with the error
+            raise UnwrittenOutput(result, f"{samples_out}: not written ({os_reason(e)})") from e
+    return result
 
 
 def result_header(

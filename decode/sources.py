@@ -201,6 +201,49 @@ def resolve_model_path(name: str, key: str, revision: str | None = None) -> str:
     return name
 
 
+CODE_FILES = ("config.json", "tokenizer_config.json")  # where `auto_map` makes transformers import a model's .py
+
+
+def shipped_code(name: str | Path, revision: str | None = None) -> str | None:
+    """The file whose `auto_map` makes loading the model `name` import Python the model ships ("config.json" or
+    "tokenizer_config.json"), or None. Read from a local folder, or from a Hub id's copy in the local cache (no
+    download: an uncached id is loaded with `trust_remote_code=False`, which refuses its code anyway)."""
+    import json
+
+    if is_gguf(name):
+        return None
+    for file in CODE_FILES:
+        path: Any = Path(name).expanduser() / file
+        if not path.is_file() and _HUB_ID.match(str(name)):
+            from huggingface_hub import try_to_load_from_cache
+
+            path = try_to_load_from_cache(str(name), file, revision=revision)
+        if not isinstance(path, str | Path) or not Path(path).is_file():
+            continue
+        try:
+            config = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # unreadable: the loader says so in its own words
+        if isinstance(config, dict) and config.get("auto_map"):
+            return file
+    return None
+
+
+def check_remote_code(name: str | Path, key: str, trusted: bool, revision: str | None = None) -> None:
+    """A model that ships code is loaded only when the command line trusts it (``--trust-remote-code``): never
+    because the model's own files (or a recipe beside them) ask for it.
+
+    Raises:
+        ValueError: one line naming `key`, the file with `auto_map`, and the flag that runs the code.
+    """
+    file = None if trusted else shipped_code(name, revision)
+    if file:
+        raise ValueError(
+            f"{key} {str(name)!r} ships Python code (auto_map in its {file}) that loading it would run: pass "
+            "--trust-remote-code to run it (read the code first), or use a copy without auto_map"
+        )
+
+
 def load_config(name: str, *, key: str = "model", **kwargs: Any) -> Any:
     """`AutoConfig.from_pretrained(name, **kwargs)`, also for a `.gguf` file (from its header: no tensor is read)."""
     from transformers import AutoConfig

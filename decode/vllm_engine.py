@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from decode.files import UnwrittenOutput, os_reason, write_whole
+
 if TYPE_CHECKING:
     import torch
 
@@ -333,35 +335,37 @@ def save_draft_for_vllm(draft, tokenizer, target_config, out_dir: str | Path, dt
     return out_dir
 
 
-def _config_vocab(path: str) -> int:
+def _config_vocab(path: str, trust_remote_code: bool = False) -> int:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path).get_text_config().vocab_size
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config().vocab_size
 
 
-def draft_dir_for_vllm(target: str, draft: str, dtype: str, scratch: Path) -> str:
+def draft_dir_for_vllm(target: str, draft: str, dtype: str, scratch: Path, trust_remote_code: bool = False) -> str:
     """``draft`` itself when vLLM accepts it next to ``target``, else a copy under ``scratch`` with the target's
-    vocab_size (the padded rows never win an argmax: see ``decode.compat.match_vocab``)."""
+    vocab_size (the padded rows never win an argmax: see ``decode.compat.match_vocab``). ``trust_remote_code``:
+    run the Python a model ships (``auto_map``) where transformers loads it."""
+    trust = {"trust_remote_code": trust_remote_code}
     if speculative_method(draft) == "eagle3":
-        check_eagle3_fits(target, draft)
+        check_eagle3_fits(target, draft, **trust)
         return draft  # the served format as it is: vLLM shares the target's embedding and tokenizer
     if speculative_method(draft) == "dflash":
-        check_dflash_fits(target, draft)
+        check_dflash_fits(target, draft, **trust)
         return draft  # the served format as it is: vLLM shares the target's embedding and output layer
-    want = _config_vocab(target)
-    if _config_vocab(draft) == want:
+    want = _config_vocab(target, trust_remote_code)
+    if _config_vocab(draft, trust_remote_code) == want:
         return draft
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a CLI's stderr is for its one error line
-    model = AutoModelForCausalLM.from_pretrained(draft, dtype=getattr(torch, dtype))
-    return str(save_draft_for_vllm(model, AutoTokenizer.from_pretrained(draft), AutoConfig.from_pretrained(target),
-                                   scratch / "draft"))  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(draft, dtype=getattr(torch, dtype), **trust)
+    return str(save_draft_for_vllm(model, AutoTokenizer.from_pretrained(draft, **trust),
+                                   AutoConfig.from_pretrained(target, **trust), scratch / "draft"))  # fmt: skip
 
 
-def check_dflash_fits(target: str, draft: str) -> None:
+def check_dflash_fits(target: str, draft: str, trust_remote_code: bool = False) -> None:
     """ValueError (one line) unless the DFlash draft in ``draft`` was built for ``target``'s vocabulary, hidden
     width and layers (``decode.kinds.dflash.fitted_config``)."""
     from transformers import AutoConfig
@@ -369,10 +373,10 @@ def check_dflash_fits(target: str, draft: str) -> None:
     from decode.kinds import dflash
 
     raw = dflash.folder_config_dict(draft)
-    dflash.fitted_config(raw, draft, AutoConfig.from_pretrained(target), target)
+    dflash.fitted_config(raw, draft, AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code), target)
 
 
-def check_eagle3_fits(target: str, head: str) -> None:
+def check_eagle3_fits(target: str, head: str, trust_remote_code: bool = False) -> None:
     """ValueError (one line) unless the EAGLE-3 head in ``head`` was built for ``target``'s vocabulary, hidden width
     and layers; vLLM itself would fail deep in a matmul. Aux layer ids must rise strictly and stay below the last
     layer: vLLM collects them as a sorted set of pre-norm layer inputs."""
@@ -380,7 +384,7 @@ def check_eagle3_fits(target: str, head: str) -> None:
 
     from decode.kinds import eagle3
 
-    tc = AutoConfig.from_pretrained(target).get_text_config()
+    tc = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code).get_text_config()
     hc = json.loads((Path(head) / "config.json").read_text())
     if hc.get("vocab_size") != tc.vocab_size or hc.get("target_hidden_size") != tc.hidden_size:
         raise ValueError(
@@ -647,12 +651,14 @@ def run_vllm_bench(
     target_name: str | None = None,
     draft_name: str | None = None,
     samples_out: str | Path | None = None,
+    trust_remote_code: bool = False,
 ) -> dict:
     """Time vLLM with ``draft`` as its speculator against vLLM target-only; return the bench JSON dict.
 
     ``target`` and ``draft`` are model directories (or Hub ids vLLM can resolve); ``prompts`` are prompt-file
-    items (``decode.prompts.load_prompts``). Raises ValueError (one line) on bad inputs, VllmUnavailable when vLLM
-    cannot be imported.
+    items (``decode.prompts.load_prompts``); ``trust_remote_code`` runs the Python a model ships (``auto_map``).
+    Raises ValueError (one line) on bad inputs, VllmUnavailable when vLLM cannot be imported, UnwrittenOutput
+    (with the figures) when ``samples_out`` cannot be written.
     """
     # Before anything imports transformers' model classes, which a broken media package breaks.
     problem = media_packages_problem()
@@ -674,8 +680,9 @@ def run_vllm_bench(
             f"got {num_draft_tokens!r}"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target)
-        context = getattr(AutoConfig.from_pretrained(target).get_text_config(), "max_position_embeddings", None)
+        tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code)
+        context = getattr(config.get_text_config(), "max_position_embeddings", None)
     except OSError as e:
         raise ValueError(f"cannot load {target!r}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
     encoded = encode_prompts(tokenizer, prompts)
@@ -693,10 +700,12 @@ def run_vllm_bench(
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as scratch:
         workers: dict[str, Worker] = {}
         kw = dict(target=target, num_draft_tokens=num_draft_tokens, dtype=dtype, max_model_len=max_model_len,
-                  draft_sample_method=draft_sample_method)  # fmt: skip
+                  draft_sample_method=draft_sample_method,
+                  engine_args={"trust_remote_code": True} if trust_remote_code else None)  # fmt: skip
         try:
             workers["target"] = Worker(draft=None, **kw)  # first: a missing vLLM fails before any other work
-            workers["speculative"] = Worker(draft=draft_dir_for_vllm(target, draft, dtype, Path(scratch)), **kw)
+            served = draft_dir_for_vllm(target, draft, dtype, Path(scratch), trust_remote_code)
+            workers["speculative"] = Worker(draft=served, **kw)
             for w in workers.values():  # warm-up: allocator, kernels, first-call paths
                 w.call(**request, prompts=batches[0], seed=seed)
             before = workers["speculative"].call(op="metrics")
@@ -727,13 +736,11 @@ def run_vllm_bench(
         rows = len(outputs["target"])
         agreement = {"rows": rows, "rows_equal": {"speculative": rows - len(divergences)}, "divergences": divergences}
         match = not divergences
-    if samples_out is not None:
-        _write_samples(samples_out, tokenizer, prompts, outputs)
     acceptance = acceptance_from_counters(counters)
     if info.get("patches") and temperature > 0:
         print(cpu_sampling_note(info["version"]), file=sys.stderr)
     null_hf = {"hf_assisted": None, "hf_assisted_same_kernels": None, "hf_assisted_published": None}
-    return {
+    result = {
         **result_header(
             target_name or target,
             draft_name or draft,
@@ -783,6 +790,12 @@ def run_vllm_bench(
         "draft_sample_method": info.get("draft_sample_method"),
         "draft_kind": draft_kind(draft),
     }
+    if samples_out is not None:
+        try:
+            write_whole(samples_out, lambda tmp: _write_samples(tmp, tokenizer, prompts, outputs))
+        except OSError as e:  # the figures are measured: they travel with the error
+            raise UnwrittenOutput(result, f"{samples_out}: not written ({os_reason(e)})") from e
+    return result
 
 
 def _write_samples(path, tokenizer, prompts: list[dict], outputs: dict[str, list[list[int]]]) -> None:
@@ -817,7 +830,9 @@ def bench_in_subprocess(
         cmd = [sys.executable, "-m", "decode", "bench", "--engine", "vllm", "--target", str(target),
                "--draft", str(draft), "--prompts", str(prompt_file), "--json", str(out_json)]  # fmt: skip
         for key, value in settings.items():
-            if value is not None:
+            if value is True:  # a switch (--trust-remote-code)
+                cmd.append(f"--{key.replace('_', '-')}")
+            elif value is not None and value is not False:
                 cmd += [f"--{key.replace('_', '-')}", str(value)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=vllm_env())
     if proc.returncode != 0:

@@ -95,7 +95,7 @@ class DraftConfig(ModelConfig):
     """The draft: a model to load (`model`), or one built from the target (`init: truncate`), or an EAGLE-3 head
     over the target's hidden states (`kind: eagle3`)."""
 
-    kind: Literal["standalone", "eagle3", "peagle", "pard", "dflash"] = _f(
+    kind: Literal["standalone", "eagle3", "peagle", "pard", "dflash", "dspark"] = _f(
         "standalone",
         "standalone: a small causal LM with the target's tokenizer; eagle3: a one-layer head that reads the "
         "target's own hidden states at three layers (decode.kinds.eagle3), built from the target (draft.model "
@@ -104,27 +104,38 @@ class DraftConfig(ModelConfig):
         "EAGLE-3 or P-EAGLE head folder; pard: a standalone draft (draft.model) trained to draft draft.block_size "
         "tokens in one forward from mask tokens (decode.kinds.pard); dflash: draft.num_layers layers over the "
         "target's hidden states that fill draft.block_size tokens in one forward (decode.kinds.dflash), built "
-        "from the target or continued from a DFlash folder",
+        "from the target or continued from a DFlash folder; dspark: a dflash draft plus a low-rank Markov bias "
+        "of the previous token chained through the block and an optional confidence head (decode.kinds.dspark), "
+        "built from the target or continued from a DSpark folder",
     )
     block_size: int = _f(
         6,
-        "kind=peagle, pard or dflash: the tokens the draft drafts in one forward, every one of them trained (2..16); "
+        "kind=peagle, pard, dflash, dspark: the tokens the draft drafts in one forward, every one trained (2..16); "
         "decoding may verify fewer (eval.num_draft_tokens <= block_size, or auto)",
     )
     mask_token_id: int | None = _f(
         None,
-        "kind=peagle, pard or dflash: the token the drafted positions after the first read (a P-EAGLE head's with its "
-        "learned mask feature; a PARD draft's pard_token); null: the tokenizer's mask, pad or unk token (a PARD "
-        "draft already marked: its own), else the last id of the vocabulary",
+        "kind=peagle, pard, dflash, dspark: the token the drafted positions after the first read (a P-EAGLE "
+        "head's with its learned mask feature; a PARD draft's pard_token); null: the tokenizer's mask, pad or unk "
+        "token (a PARD draft already marked: its own), else the last id of the vocabulary",
     )
     aux_layers: list[int] | None = _f(
         None,
         "kind=eagle3: the 3 target layers whose hidden states the head fuses, as rising hidden_states indices in "
         "0..L-1 (0 = the embeddings, j = the input of layer j; vLLM's convention); null: (2, L//2, L-3). "
-        "kind=dflash: DFlash's target_layer_ids, 1 or more rising ids in 0..L-2 (j = the output of layer j); "
+        "kind=dflash or dspark: DFlash's target_layer_ids, 1 or more rising ids in 0..L-2 (j = layer j's output); "
         "null: (1, L//2-1, L-4)",
     )
-    num_layers: int = _f(1, "kind=dflash: the draft's decoder layers (1..8)")
+    num_layers: int = _f(1, "kind=dflash or dspark: the draft's decoder layers (1..8)")
+    markov_rank: int | None = _f(
+        None, "kind=dspark: the rank r of the Markov bias (markov_w1: vocab x r, markov_w2: r x vocab); null: 256"
+    )
+    confidence_min: float | None = _f(
+        None,
+        "kind=dspark: train a confidence head, and draftsmith's decoder ends each drafted block before the first "
+        "position whose predicted acceptance is below this, in [0, 1] (llama.cpp's --spec-draft-conf-min; 0: the "
+        "head, no cut); null: no confidence head",
+    )
     init: Literal["pretrained", "truncate"] = _f(
         "pretrained", "pretrained: load draft.model; truncate: the target's embeddings, first init_layers layers, head"
     )
@@ -144,7 +155,8 @@ class DraftConfig(ModelConfig):
         if self.mask_token_id is not None:
             _check(self.mask_token_id >= 0, "draft.mask_token_id", f"must be >= 0, got {self.mask_token_id}")
         _check(1 <= self.num_layers <= 8, "draft.num_layers", f"must be in 1..8, got {self.num_layers}")
-        if self.aux_layers is not None and self.kind == "dflash":
+        _check_kind_keys(self)
+        if self.aux_layers is not None and self.kind in DFLASH_KINDS:
             _check(
                 len(self.aux_layers) >= 1 and all(b > a for a, b in zip([-1, *self.aux_layers], self.aux_layers)),
                 "draft.aux_layers",
@@ -221,8 +233,9 @@ class DistillConfig:
         "full",
         "the vocabulary the draft's head and the loss cover: all tokens, or subset (the draft.vocab_subset tokens "
         "draftsmith's decoder drafts from; needs distill.top_k: the teacher's mass elsewhere goes to its tail "
-        "bucket; far cheaper steps on a large vocabulary, but the checkpoint's other head rows stay untrained: HF, "
-        "vLLM and SGLang serve the full head and draft worse)",
+        "bucket; far cheaper steps on a large vocabulary. A checkpoint's head stores every other row as one row "
+        "fitted to score 30 below the top trained logit, so HF, vLLM and SGLang, which run the full head, draft from "
+        "the same tokens)",
     )
     completion_field: str = _f("completion", "source=fixed: the dataset field holding the completion")
     max_new_tokens: int = _f(64, "length of generated continuations")
@@ -259,9 +272,9 @@ class DistillConfig:
     )
     anchors: int = _f(
         0,
-        "draft.kind=dflash: the block anchors a step trains per sequence, drawn at random among its trainable "
-        "positions (DFlash's anchor sampling): a step then runs N blocks a sequence through the draft and its "
-        "output layer instead of one at every position; 0: every position",
+        "draft.kind=dflash or dspark: the block anchors a step trains per sequence, drawn at random among its "
+        "trainable positions (DFlash's anchor sampling): a step then runs N blocks a sequence through the draft and "
+        "its output layer instead of one at every position; 0: every position",
     )
     recompute: bool = _f(
         False,
@@ -487,7 +500,7 @@ class Recipe:
         _check_data_engine(self)
         _check_block(self)
         _check(
-            self.distill.anchors == 0 or self.draft.kind == "dflash",
+            self.distill.anchors == 0 or self.draft.kind in DFLASH_KINDS,
             "distill.anchors",
             f"samples DFlash block anchors; draft.kind={self.draft.kind} trains every position: set distill.anchors=0",
         )
@@ -535,13 +548,35 @@ def _check_eval_minutes(recipe: Recipe) -> None:
     )
 
 
-BLOCK_KINDS = ("peagle", "pard", "dflash")  # the kinds that draft a whole block in one forward (draft.block_size)
+BLOCK_KINDS = ("peagle", "pard", "dflash", "dspark")  # the kinds that draft a whole block in one forward
+DFLASH_KINDS = ("dflash", "dspark")  # DFlash's block over the target's states: target_layer_ids, distill.anchors
+KIND_KEYS = {"markov_rank": "dspark", "confidence_min": "dspark"}  # draft keys of one kind only: draft.<key> -> kind
+
+
+def _check_kind_keys(draft: DraftConfig) -> None:
+    """A draft key of one kind (:data:`KIND_KEYS`) is refused for another; the values of the kind's own checked."""
+    for key, kind in KIND_KEYS.items():
+        value = getattr(draft, key)
+        _check(
+            value is None or draft.kind == kind,
+            f"draft.{key}",
+            f"belongs to draft.kind={kind}, not draft.kind={draft.kind}: remove it or set draft.kind: {kind}",
+        )
+    if draft.markov_rank is not None:
+        _check(draft.markov_rank >= 1, "draft.markov_rank", f"must be >= 1 (or null: 256), got {draft.markov_rank}")
+    if draft.confidence_min is not None:
+        _check(
+            0.0 <= draft.confidence_min <= 1.0,
+            "draft.confidence_min",
+            f"must be in [0, 1] (a predicted acceptance probability; null: no confidence head), got "
+            f"{draft.confidence_min}",
+        )
 
 
 def is_head(kind: str) -> bool:
     """True for the draft kinds that read the target's hidden states and are built from the target (eagle3,
     peagle, dflash): trained on its continuations, served next to it."""
-    return kind in ("eagle3", "peagle", "dflash")
+    return kind in ("eagle3", "peagle", "dflash", "dspark")
 
 
 def _check_block(recipe: Recipe) -> None:
@@ -549,7 +584,9 @@ def _check_block(recipe: Recipe) -> None:
     spec = recipe.eval.num_draft_tokens
     if recipe.draft.kind not in BLOCK_KINDS or not (isinstance(spec, int) or str(spec).isdigit()):
         return
-    what = {"peagle": "P-EAGLE head", "pard": "PARD draft", "dflash": "DFlash draft"}[recipe.draft.kind]
+    what = {"peagle": "P-EAGLE head", "pard": "PARD draft", "dflash": "DFlash draft", "dspark": "DSpark draft"}[
+        recipe.draft.kind
+    ]
     _check(
         int(spec) <= recipe.draft.block_size,
         "eval.num_draft_tokens",
@@ -651,7 +688,11 @@ class CorpusConfig:
 class TokenizerConfig:
     """An existing tokenizer, or a byte-level BPE trained on the corpus."""
 
-    path: str | None = _f(None, "tokenizer dir or hub id; None trains a byte-level BPE")
+    path: str | None = _f(
+        None,
+        "tokenizer dir, hub id or .gguf file (the tokenizer stored in it, every token kept); None trains a "
+        "byte-level BPE",
+    )
     vocab_size: int = _f(8192, "vocabulary size of a trained tokenizer")
 
     def __post_init__(self) -> None:
@@ -845,6 +886,35 @@ def to_dict(recipe: Any) -> dict:
 def dump_recipe(recipe: Any) -> str:
     """The resolved recipe as YAML text."""
     return yaml.safe_dump(to_dict(recipe), sort_keys=False)
+
+
+def dump_commented(recipe: Any) -> str:
+    """The resolved recipe as YAML text with each key's help as a comment line above it (--print-config): still
+    the same recipe to :func:`load_recipe`."""
+    return "".join(_commented_lines(recipe, ""))
+
+
+def _commented_lines(section: Any, pad: str) -> list[str]:
+    values = to_dict(section)
+    lines = []
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        nested = dataclasses.is_dataclass(value)
+        help_text = f.metadata.get("help") or (_section_help(type(value)) if nested else "")
+        if help_text:
+            lines.append(f"{pad}# {' '.join(help_text.split())}\n")
+        if nested and dataclasses.fields(value):
+            lines += [f"{pad}{f.name}:\n", *_commented_lines(value, pad + "  ")]
+        else:  # one key as yaml.safe_dump writes it (quoting, lists), at this section's indent
+            text = yaml.safe_dump({f.name: values[f.name]}, sort_keys=False, width=10**6)
+            lines += [f"{pad}{line}\n" for line in text.splitlines()]
+    return lines
+
+
+def _section_help(cls: type) -> str:
+    """A section class's own docstring, up to its first blank line (not the signature dataclass makes up)."""
+    doc = cls.__doc__ or ""
+    return "" if doc.startswith(f"{cls.__name__}(") else doc.strip().split("\n\n")[0]
 
 
 def save_recipe(recipe: Any, directory: str | Path, name: str = "resolved_recipe.yaml") -> Path:

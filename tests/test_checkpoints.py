@@ -71,3 +71,42 @@ def test_prune_and_load_infos(tmp_path):
     assert prune_checkpoints(tmp_path, {5, 10}) == [0]
     assert [(i.step, i.speedup) for i in load_infos(tmp_path)] == [(5, 1.4), (10, 1.2)]
     assert json.loads((tmp_path / "step-5" / "eval.json").read_text())["speedup"]["vs_target"] == 1.4
+
+
+def test_saving_a_tied_draft_drops_only_the_shared_tensor_note_and_it_loads_back_tied(tmp_path, caplog):
+    """accelerate notes "Removed shared tensor {'lm_head.weight'} ..." at every save_state of a draft whose output
+    layer is its embedding; around draftsmith's saves that one note is dropped (the tie is in the config and comes
+    back at load), any other warning of the same logger still shows, and the saved state loads back equal."""
+    import logging
+
+    import torch
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from distill.training.checkpoints import tied_weights_quiet
+    from tests.tiny import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config("llama", 64)
+    config.tie_word_embeddings = True
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(AutoModelForCausalLM.from_config(config))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    caplog.set_level(logging.WARNING, logger="accelerate")
+
+    accelerator.save_state(str(tmp_path / "plain"))  # the control: the note is there without the filter
+    assert any("Removed shared tensor" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with tied_weights_quiet():
+        accelerator.save_state(str(tmp_path / "quiet"))
+        logging.getLogger("accelerate.utils.other").warning("another note")
+    assert [r.getMessage() for r in caplog.records] == ["another note"], caplog.text
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    accelerator.load_state(str(tmp_path / "quiet"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)

@@ -354,6 +354,87 @@ def test_cli_entry_point_runs(tmp_path, saved_pair):
     assert (result["dtype"], result["draft_dtype"]) == ("bfloat16", "float32")
 
 
+def _bench_cli(target: str, draft: str, prompts: Path, *args: str, env: dict | None = None):
+    """``python -m decode bench`` in a fresh process on a tiny pair: 2 new tokens, 1 repeat, target baseline."""
+    cmd = [sys.executable, "-m", "decode", "bench", "--target", target, "--draft", draft, "--prompts", str(prompts),
+           "--max-new-tokens", "2", "--repeats", "1", "--baselines", "target", "--no-progress", *args]  # fmt: skip
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=full_env, timeout=300)
+
+
+def _one_error(proc: subprocess.CompletedProcess) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+def test_cli_unwritable_output_paths_are_refused_before_anything_loads(tmp_path, saved_pair):
+    target, draft = saved_pair
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps(PROMPTS[0])])
+    (tmp_path / "a-dir").mkdir()
+    (tmp_path / "a-file").write_text("")
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    if os.geteuid() == 0:  # root writes through a mode of 555: /proc is a directory where nobody creates files
+        read_only = Path("/proc")
+    cases = [
+        ("--json", tmp_path / "a-dir", "is a directory"),
+        ("--plot", tmp_path / "a-file" / "new-dir" / "r.png", "is a file, so no directory can be made there"),
+        ("--samples-out", read_only / "s.jsonl", "no file can be created in"),
+        ("--json", read_only / "new-dir" / "r.json", "no file can be created in"),
+    ]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for flag, path, why in cases:
+        proc = _bench_cli(target, draft, prompts, flag, str(path))
+        line = _one_error(proc)
+        assert proc.returncode == 2 and proc.stdout == "", (flag, path, proc.stderr)
+        assert line.startswith(f"error: {flag} {path}: ") and why in line, line
+        assert not path.exists() or path.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and list((tmp_path / "a-dir").iterdir()) == []
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a device whose writes fail: disk full)")
+@pytest.mark.parametrize("flag", ["--json", "--samples-out"])
+def test_cli_write_failing_after_the_measurement_still_prints_the_figures(tmp_path, saved_pair, flag):
+    """A write that fails once the bench has measured (/dev/full: every write is 'No space left on device') loses
+    no figures: the result object is on stdout, then one error line; the other outputs are still written."""
+    target, draft = saved_pair
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps(PROMPTS[0])])
+    other = ["--json", str(tmp_path / "new" / "dir" / "r.json")] if flag == "--samples-out" else []
+    proc = _bench_cli(target, draft, prompts, flag, "/dev/full", *other)
+    assert proc.returncode == 1, proc.stderr
+    result = json.loads(proc.stdout)
+    assert CONTRACT_KEYS <= set(result) and result["n_prompts"] == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {flag} /dev/full: not written (No space left on device)"), proc.stderr
+    assert sum(line.startswith("error:") for line in proc.stderr.splitlines()) == 1
+    if other:  # the JSON the failed samples file did not stop, in directories made for it
+        assert json.loads(Path(other[1]).read_text()) == result
+    assert not [p for p in tmp_path.rglob(".*") if p.is_file()]  # no temporary file left behind
+
+
+def test_cli_runs_a_models_shipped_code_only_with_trust_remote_code(tmp_path, saved_pair):
+    """A --draft whose config.json has auto_map: refused without --trust-remote-code (its code never imported,
+    nothing written); with the flag its code runs."""
+    import shutil
+
+    from tests.tiny import ship_code
+
+    target, draft = saved_pair
+    shipped = ship_code(Path(shutil.copytree(draft, tmp_path / "shipped")))
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps(PROMPTS[0])])
+    marker, out = tmp_path / "IMPORTED", tmp_path / "r.json"
+    env = {"SHIPPED_CODE_MARKER": str(marker)}
+    proc = _bench_cli(target, str(shipped), prompts, "--json", str(out), env=env)
+    line = _one_error(proc)
+    assert proc.returncode == 2 and "auto_map in its config.json" in line and "--trust-remote-code" in line, line
+    assert not marker.exists() and not out.exists()
+    proc = _bench_cli(target, str(shipped), prompts, "--json", str(out), "--trust-remote-code", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert marker.read_text() == "imported" and json.loads(out.read_text())["n_prompts"] == 1
+
+
 @pytest.fixture(scope="module")
 def padded_pair(tmp_path_factory):
     return save_padded_pair(tmp_path_factory.mktemp("padded"))

@@ -446,3 +446,112 @@ def test_a_dflash_run_killed_and_resumed_ends_where_the_uninterrupted_one_does(t
     assert [c["step"] for c in killed["checkpoints"]] == [0, 3, 6]
     assert killed["param_checksums"] == pytest.approx(whole["param_checksums"], rel=1e-9)
     assert [c["loss"] for c in killed["checkpoints"]] == pytest.approx([c["loss"] for c in whole["checkpoints"]])
+
+
+# ---------------------------------------------------------------- the anchors a run draws (distill.anchors)
+
+
+def anchors_a_run_trains(
+    tmp_path, monkeypatch, prompts: int, steps: int, batch_size: int, anchors: int
+) -> dict[tuple, list]:
+    """train/distill.py's main (in this process) training a DFlash draft with distill.anchors on `prompts` prompts
+    for `steps` steps: for each training sequence, the anchors its blocks were trained at in each step that met it
+    and its trainable positions, as the draft's training forward received them (the draw observed, not altered)."""
+    import yaml
+
+    from distill.kinds import dflash as training
+    from tests.procs import load_script, tiny_recipe, tiny_run_paths
+
+    drawn: list = []  # pick_anchors' draws, in order: (trainable, anchors, chosen)
+    draw = training.pick_anchors
+
+    def observed_draw(trainable, n, seed):
+        out = draw(trainable, n, seed)
+        drawn.append((trainable.clone(), *out))
+        return out
+
+    seen: dict[tuple, list] = {}
+    forward = dflash.DFlashDraft.block_logits
+
+    def observed_forward(self, ids, features, valid, anchors=None):
+        if anchors is not None and torch.is_grad_enabled():  # a training step's blocks
+            trainable, picked, chosen = drawn[-1]
+            assert torch.equal(anchors, picked)  # the draw is what the step trains
+            for b in range(len(ids)):
+                key = tuple(ids[b][valid[b].bool()].tolist())
+                positions = set(trainable[b].nonzero().flatten().tolist())
+                seen.setdefault(key, []).append((positions, picked[b][chosen[b]].tolist()))
+        return forward(self, ids, features, valid, anchors)
+
+    monkeypatch.setattr(training, "pick_anchors", observed_draw)
+    monkeypatch.setattr(dflash.DFlashDraft, "block_logits", observed_forward)
+    paths = tiny_run_paths(tmp_path, train_prompts=prompts)
+    recipe = tiny_recipe(
+        paths, tmp_path / "run", {"source": "target", "max_new_tokens": 12, "anchors": anchors},
+        {"max_steps": steps, "batch_size": batch_size, "seed": 0}, eval={"num_draft_tokens": 3},
+    )  # fmt: skip
+    recipe["draft"] = {"kind": "dflash", "block_size": 3, "num_layers": 1}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    load_script("train/distill.py", "distill_script_for_anchors").main(["--recipe", str(tmp_path / "recipe.yaml")])
+    return seen
+
+
+def checked_draws(seen: dict[tuple, list], n: int) -> None:
+    """Each step's anchors of a sequence are distinct trainable positions of it, as many as asked (or all)."""
+    for draws in seen.values():
+        positions = draws[0][0]
+        assert len(positions) >= 2 * n, positions  # room for draws to differ
+        for trainable, picked in draws:
+            assert trainable == positions  # the same sequence, the same trainable positions
+            assert len(set(picked)) == len(picked) == min(n, len(positions)), picked
+            assert set(picked) <= positions, (picked, positions)
+
+
+def uniform_p_value(counts: list[list[int]], draws_per_row: list[float]) -> float:
+    """Pearson chi-square p-value of count rows against uniform rows of the given totals (one test over all rows)."""
+    stat, dof = 0.0, 0
+    for row, total in zip(counts, draws_per_row):
+        expected = total / len(row)
+        stat += sum((c - expected) ** 2 / expected for c in row)
+        dof += len(row) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def test_a_runs_steps_draw_anchors_uniformly_among_trainable_positions(tmp_path, monkeypatch):
+    """Over a run's steps (train/distill.py's loop, distill.anchors=3 of about a dozen trainable positions, one
+    epoch of 64 sequences), the anchors fall on each offset of the trainable positions at the rate a uniform draw
+    gives (chi-square; a fixed run, so the verdict is the same every time), and every offset is trained. A draw
+    that repeated itself from step to step would pile its anchors on a few offsets."""
+    n, prompts = 3, 64
+    seen = anchors_a_run_trains(tmp_path, monkeypatch, prompts=prompts, steps=prompts // 2, batch_size=2, anchors=n)
+    assert len(seen) == prompts and all(len(v) == 1 for v in seen.values())
+    checked_draws(seen, n)
+    by_length: dict[int, list[int]] = {}  # trainable positions -> anchors per offset from the first of them
+    for ((positions, picked),) in seen.values():
+        row = by_length.setdefault(len(positions), [0] * len(positions))
+        for p in picked:
+            row[p - min(positions)] += 1
+    rows = [row for row in by_length.values() if sum(row) >= 5 * len(row)]  # enough draws for the chi-square
+    assert sum(map(sum, rows)) >= n * prompts // 2, by_length
+    assert all(min(row) > 0 for row in rows), rows
+    assert uniform_p_value(rows, [sum(row) for row in rows]) > 1e-3, rows
+
+
+def test_over_epochs_every_trainable_position_of_each_sequence_is_trained(tmp_path, monkeypatch):
+    """8 sequences in batches of 2 for 20 epochs, distill.anchors=3: each sequence is met 40 times (120 anchors
+    over its dozen positions), so a fresh draw each step trains every position of it (a position missed by 40
+    uniform draws: about 1e-5)."""
+    n, prompts, steps = 3, 8, 160
+    seen = anchors_a_run_trains(tmp_path, monkeypatch, prompts=prompts, steps=steps, batch_size=2, anchors=n)
+    assert len(seen) == prompts and sum(len(v) for v in seen.values()) == 2 * steps
+    checked_draws(seen, n)
+    rows = []
+    for draws in seen.values():
+        counts = dict.fromkeys(sorted(draws[0][0]), 0)
+        for _, picked in draws:
+            for p in picked:
+                counts[p] += 1
+        never = [p for p, c in counts.items() if c == 0]
+        assert not never, f"positions {never} of {list(counts)} never trained in {len(draws)} steps"
+        rows.append(list(counts.values()))
+    assert uniform_p_value(rows, [len(d) * n for d in seen.values()]) > 1e-3, rows

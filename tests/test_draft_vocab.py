@@ -174,15 +174,21 @@ def test_masked_head_saves_an_untied_head_scoring_only_the_subset(tmp_path, caps
 
 
 def test_docs_describe_the_saved_head_as_with_masked_head_writes_it():
-    """The pages and the recipe that describe a subset-trained draft's saved head say what with_masked_head does
-    (the test above): its other rows are one fitted row MARGIN below the top trained logit, not zeroed rows."""
+    """The pages, the recipe and distill.loss_vocab's help that describe a subset-trained draft's saved head say what
+    with_masked_head does (the test above): its other rows are one fitted row MARGIN below the top trained logit, not
+    zeroed or untrained rows."""
     from pathlib import Path
 
+    from distill.config import DistillConfig
+
     root = Path(__file__).resolve().parent.parent
-    for name in ("docs/engines.md", "docs/smollm2.md", "recipes/smollm2-135m-instruct_trunc2_fkl.yaml"):
-        text = " ".join(line.lstrip("# ") for line in (root / name).read_text().splitlines())
+    pages = ("docs/engines.md", "docs/smollm2.md", "recipes/smollm2-135m-instruct_trunc2_fkl.yaml")
+    texts = {name: (root / name).read_text() for name in pages}
+    texts["distill.loss_vocab help"] = DistillConfig.__dataclass_fields__["loss_vocab"].metadata["help"]
+    for name, raw in texts.items():
+        text = " ".join(line.lstrip("# ") for line in raw.splitlines())
         text = " ".join(text.split())
-        for false in ("rows zeroed", "rows are zero", "rows are zero,", "other rows zeroed"):
+        for false in ("rows zeroed", "rows are zero", "rows are zero,", "other rows zeroed", "rows stay untrained"):
             assert false not in text, (name, false)
         assert f"{MARGIN:g} below the top trained logit" in text, name
 

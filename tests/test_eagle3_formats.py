@@ -1,11 +1,14 @@
-"""EAGLE-3 heads others trained (decode/kinds/eagle3_formats.py): the speculators format (with its
-``norm_before_fc`` / ``norm_before_residual`` variants), SafeAILab's original layout and SpecForge's export,
-each written here from its documented layout (tensor names, config keys), read into the native head.
+"""EAGLE-3 heads others trained (decode/kinds/eagle3_formats.py): the speculators format (with every variant vLLM
+serves: ``norm_before_fc``, ``fc_norm``, ``norm_before_residual``, ``norm_output``), SafeAILab's original layout and
+SpecForge's export, each written here from its documented layout (tensor names, config keys), read into the native
+head.
 
-The speculators package is not used to write them: 0.9.0's ``speculators.models.eagle3`` imports
-``hs_connectors``, a dependency that a ``--no-deps`` install next to vLLM's CPU build leaves out. The reference each
-converted head is checked against is the original layout's own computation (speculators' first decoder layer:
-split, norms, the residual it names, Llama attention and MLP, final norm, lm_head), written from the same tensors.
+The reference each converted head is checked against is the original layout's own computation (speculators' and
+vLLM's first decoder layer: fused-feature norms, fc, split, norms, the residual it names, Llama attention and MLP,
+final norm, lm_head, the output fed back), written from the same tensors. Where the speculators package imports
+(its dependencies pin another torch, so it lives in its own environment: ``SPECULATORS_PYTHON``, else this
+interpreter), heads are also written by its own ``Eagle3DraftModel`` and checked against its own forward
+(tests/speculators_head.py); elsewhere those tests skip.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def assets(tmp_path_factory) -> dict:
     }
 
 
-def trained_tensors(target, norm_before_fc: bool = False, aux=None) -> tuple[dict, dict]:
+def trained_tensors(target, norm_before_fc: bool = False, aux=None, fc_norm: bool = False) -> tuple[dict, dict]:
     """(native config dict, tensors) of a head with varied weights (as a trained one has), over every 2nd token."""
     torch.manual_seed(3)
     head = eagle3.build(target, list(range(0, target.config.vocab_size, 2)), aux_layers=aux)
@@ -61,6 +64,8 @@ def trained_tensors(target, norm_before_fc: bool = False, aux=None) -> tuple[dic
     tensors["t2d"] = torch.zeros(head.vocab, dtype=torch.bool).index_fill_(0, ids, True)
     if norm_before_fc:
         tensors["input_norm.weight"] = 1 + 0.3 * torch.randn(3 * head.config.target_hidden_size)
+    for i in range(3 if fc_norm else 0):
+        tensors[f"fc_norm.{i}.weight"] = 1 + 0.3 * torch.randn(head.config.target_hidden_size)
     return eagle3.served_config(head), tensors
 
 
@@ -124,13 +129,20 @@ def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def reference_step(t: dict, native: dict, embeds: torch.Tensor, features: torch.Tensor, nbr: bool, nbf: bool):
-    """The original layout's first step over a sequence (speculators' Eagle3FirstLayerMixin), from raw tensors:
-    (draft logits [S, Vd], pre-norm output [S, H]). ``features`` [S, 3H], ``embeds`` [S, H]."""
+def reference_layer(
+    t: dict,
+    native: dict,
+    embeds: torch.Tensor,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    nbr: bool,
+    past: tuple | None = None,
+):
+    """The original layout's decoder layer (speculators' Eagle3FirstLayerMixin, vLLM's llama_eagle3), from raw
+    tensors: (pre-norm output [S, H], keys, values). ``embeds``, ``hidden`` [S, H]; ``past``: keys and values
+    [1, heads, P, d] of earlier positions, every one visible (None: causal over these S alone)."""
     eps, heads, kv = native["rms_norm_eps"], native["num_attention_heads"], native["num_key_value_heads"]
     d = native["head_dim"]
-    x = rms(features, t["input_norm.weight"], eps) if nbf else features
-    hidden = x @ t["fc.weight"].T
     normed = rms(hidden, t["midlayer.hidden_norm.weight"], eps)
     residual = normed if nbr else hidden
     inp = torch.cat([rms(embeds, t["midlayer.input_layernorm.weight"], eps), normed], -1)
@@ -139,16 +151,40 @@ def reference_step(t: dict, native: dict, embeds: torch.Tensor, features: torch.
     k = (inp @ t["midlayer.self_attn.k_proj.weight"].T).view(1, s, kv, d).transpose(1, 2)
     v = (inp @ t["midlayer.self_attn.v_proj.weight"].T).view(1, s, kv, d).transpose(1, 2)
     rotary = LlamaRotaryEmbedding(LlamaConfig(**{k: native[k] for k in LLAMA_KEYS}))
-    q, k = apply_rotary_pos_emb(q, k, *rotary(inp, torch.arange(s)[None]))
+    q, k = apply_rotary_pos_emb(q, k, *rotary(inp, positions[None]))
     k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(s, heads * d)
-    h = residual + attn @ t["midlayer.self_attn.o_proj.weight"].T
+    keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+    attn = F.scaled_dot_product_attention(q, keys, values, is_causal=past is None)
+    h = residual + attn.transpose(1, 2).reshape(s, heads * d) @ t["midlayer.self_attn.o_proj.weight"].T
     m = rms(h, t["midlayer.post_attention_layernorm.weight"], eps)
     mlp = (F.silu(m @ t["midlayer.mlp.gate_proj.weight"].T) * (m @ t["midlayer.mlp.up_proj.weight"].T)) @ t[
         "midlayer.mlp.down_proj.weight"
     ].T
-    prenorm = h + mlp
-    return rms(prenorm, t["norm.weight"], eps) @ t["lm_head.weight"].T, prenorm
+    return h + mlp, keys, values
+
+
+def reference_step(t: dict, native: dict, embeds: torch.Tensor, features: torch.Tensor, flags: dict, nxt=None):
+    """The original layout's first step over a sequence, from raw tensors: (draft logits [S, Vd], the output it
+    feeds back [S, H]); with ``nxt`` ([1, H], the next token's embedding) also the logits [Vd] of one chain step
+    at the last position (it reads the fed-back output and attends to every position before it and itself).
+
+    The variants, as vLLM's llama_eagle3 computes them: ``norm_before_fc`` (input_norm over the fused features),
+    then ``fc_norm`` (one norm per target layer), fc; ``norm_before_residual``; ``norm_output`` (post-norm fed
+    back)."""
+    eps = native["rms_norm_eps"]
+    x = rms(features, t["input_norm.weight"], eps) if flags.get("norm_before_fc") else features
+    if flags.get("fc_norm"):
+        x = torch.cat([rms(part, t[f"fc_norm.{i}.weight"], eps) for i, part in enumerate(x.chunk(3, -1))], -1)
+    nbr = bool(flags.get("norm_before_residual"))
+    s = features.shape[0]
+    prenorm, keys, values = reference_layer(t, native, embeds, x @ t["fc.weight"].T, torch.arange(s), nbr)
+    normed = rms(prenorm, t["norm.weight"], eps)
+    fed = normed if flags.get("norm_output") else prenorm
+    logits = normed @ t["lm_head.weight"].T
+    if nxt is None:
+        return logits, fed
+    chain, _, _ = reference_layer(t, native, nxt, fed[-1:], torch.tensor([s]), nbr, (keys, values))
+    return logits, fed, (rms(chain, t["norm.weight"], eps) @ t["lm_head.weight"].T)[0]
 
 
 def head_step(head: eagle3.Eagle3Head, ids: torch.Tensor, features: torch.Tensor):
@@ -195,7 +231,7 @@ def test_a_head_in_each_format_computes_what_its_layout_does(assets, tmp_path, n
     torch.manual_seed(5)
     ids = torch.randint(0, target.config.vocab_size, (1, 9))
     features = torch.randn(1, 9, 3 * native["target_hidden_size"]) * 2
-    want_logits, want_prenorm = reference_step(tensors, native, embed[ids[0]], features[0], nbr, nbf)
+    want_logits, want_prenorm = reference_step(tensors, native, embed[ids[0]], features[0], variant)
     got_logits, got_prenorm = head_step(head, ids, features)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_prenorm, want_prenorm, rtol=1e-4, atol=1e-4)
@@ -207,18 +243,141 @@ def test_a_head_in_each_format_computes_what_its_layout_does(assets, tmp_path, n
     torch.testing.assert_close(head_step(eagle3.load(again, target), ids, features)[0], want_logits)
 
 
+# Every variant switch vLLM's speculators reader serves, alone, none, all, and the speculators trainer's defaults.
+FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+COMBINATIONS = {
+    "none": {},
+    **{key: {key: True} for key in FLAGS},
+    "all": dict.fromkeys(FLAGS, True),
+    "speculators trainer defaults": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True},
+}
+
+
+def write_variant(folder: Path, target, flags: dict) -> tuple[dict, dict]:
+    """A speculators head with exactly ``flags`` on (every switch written, as speculators writes them)."""
+    native, tensors = trained_tensors(
+        target, flags.get("norm_before_fc", False), [1, 2, 3], flags.get("fc_norm", False)
+    )
+    variant = {key: bool(flags.get(key)) for key in FLAGS}
+    write_speculators(folder, native, tensors, target.get_input_embeddings().weight.detach(), **variant)
+    return native, tensors
+
+
+@pytest.mark.parametrize("name", list(COMBINATIONS))
+def test_every_variant_vllm_serves_computes_what_it_names_and_is_lossless(assets, tmp_path, name):
+    """Each combination of the variant switches: the decoder's forward and chain step and the training unroll
+    equal the layout's reference computation, greedy decoding equals target-only, and saved again the head keeps
+    its switches."""
+    from decode.speculative import speculative_generate, target_generate
+
+    target, flags = assets["model"], COMBINATIONS[name]
+    native, tensors = write_variant(tmp_path / "head", target, flags)
+    head = eagle3.load(tmp_path / "head", target).eval()
+    embed = target.get_input_embeddings().weight.detach()
+    torch.manual_seed(5)
+    s = 9
+    ids = torch.randint(0, target.config.vocab_size, (1, s + 1))  # the last one: the chain step's token
+    features = torch.randn(1, s + 2, 3 * native["target_hidden_size"]) * 2
+    want, want_fed, want_chain = reference_step(tensors, native, embed[ids[0, :s]], features[0, :s], flags,
+                                                nxt=embed[ids[0, s:]])  # fmt: skip
+    # The decoder: one fused read of the sequence, then a chain step from the output it feeds back.
+    cache = eagle3.Eagle3Cache(1, features.device)
+    one = torch.ones(1, s, dtype=torch.bool)
+    with torch.no_grad():
+        logits, fed = head(ids[:, :s], features[:, :s], cache.positions(one), cache, one, fused=True)
+        chain, _ = head(ids[:, s:], fed[:, -1:], cache.positions(one[:, :1]), cache, one[:, :1], fused=False)
+    torch.testing.assert_close(logits[0], want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fed[0], want_fed, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(chain[0, 0], want_chain, rtol=1e-4, atol=1e-4)
+    # Training: step 0 at position i reads token i + 1 of its sequence; step 1 at s - 1 reads the chain's token.
+    seq = torch.cat([ids.new_zeros(1, 1), ids, ids.new_zeros(1, 1)], 1)[:, : s + 2]
+    with torch.no_grad():
+        steps = head.unrolled(seq, features, torch.arange(s + 2)[None], torch.ones(1, s + 2, dtype=torch.bool), 2)
+    torch.testing.assert_close(steps[0][0, :s], want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(steps[1][0, s - 1], want_chain, rtol=1e-4, atol=1e-4)
+    prompt = torch.randint(0, target.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
+    out = speculative_generate(target, head, prompt, max_new_tokens=16, num_draft_tokens=3, eos_token_id=[])
+    assert out.new_tokens == target_generate(target, prompt, max_new_tokens=16, eos_token_id=[]).new_tokens
+    again = eagle3.save(head, tmp_path / "native")
+    config = json.loads((again / "config.json").read_text())
+    assert {key: bool(config.get(key)) for key in FLAGS} == {key: bool(flags.get(key)) for key in FLAGS}
+    with torch.no_grad():
+        reloaded = eagle3.load(again, target)(ids[:, :s], features[:, :s], torch.arange(s)[None],
+                                               eagle3.Eagle3Cache(1, features.device), fused=True)  # fmt: skip
+    torch.testing.assert_close(reloaded[0][0], want, rtol=1e-4, atol=1e-4)
+
+
+def speculators_python() -> str | None:
+    """An interpreter where ``speculators.models.eagle3`` imports: ``SPECULATORS_PYTHON``, else this one."""
+    python = os.environ.get("SPECULATORS_PYTHON", sys.executable)
+    probe = subprocess.run([python, "-c", "import speculators.models.eagle3"], capture_output=True, timeout=300)
+    return python if probe.returncode == 0 else None
+
+
+SPECULATORS_COMBINATIONS = {  # speculators refuses norm_before_fc with fc_norm
+    name: flags for name, flags in COMBINATIONS.items() if not (flags.get("norm_before_fc") and flags.get("fc_norm"))
+}
+SPECULATORS_COMBINATIONS["fc_norm, norm_before_residual, norm_output"] = {
+    "fc_norm": True, "norm_before_residual": True, "norm_output": True
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def speculators_heads(assets) -> dict[str, Path]:
+    """A head folder per :data:`SPECULATORS_COMBINATIONS` entry, written by the speculators package itself."""
+    python = speculators_python()
+    if python is None:
+        pytest.skip("the speculators package does not import (set SPECULATORS_PYTHON to an interpreter that has it)")
+    root = assets["root"] / "speculators"
+    folders = {name: root / str(i) for i, name in enumerate(SPECULATORS_COMBINATIONS)}
+    heads = {str(folders[name]): flags for name, flags in SPECULATORS_COMBINATIONS.items()}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [python, str(REPO / "tests" / "speculators_head.py"), str(assets["target"]), json.dumps(heads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folders
+
+
+@pytest.mark.parametrize("name", list(SPECULATORS_COMBINATIONS))
+def test_a_head_the_speculators_package_writes_computes_its_forward(assets, speculators_heads, name):
+    """speculators' own Eagle3DraftModel, saved with save_pretrained: draftsmith's training unroll gives the
+    logits of every training-time-test step of its forward, and greedy decoding with it equals target-only."""
+    from decode.speculative import speculative_generate, target_generate
+
+    flags, folder = SPECULATORS_COMBINATIONS[name], speculators_heads[name]
+    target = assets["model"]
+    head = eagle3.load(folder, target).eval()
+    assert {key: bool(getattr(head.config, key, False)) for key in FLAGS} == {k: bool(flags.get(k)) for k in FLAGS}
+    ref = torch.load(folder / "reference.pt")
+    ids, s = ref["input_ids"], ref["input_ids"].shape[1]
+    # speculators' step k at position i reads token i + k; draftsmith's reads token i + k + 1 of its sequence.
+    seq = torch.cat([ids.new_zeros(1, 1), ids[:, :-1]], 1)
+    with torch.no_grad():
+        steps = head.unrolled(seq, ref["hidden_states"], ref["position_ids"], torch.ones(1, s, dtype=torch.bool), 3)
+    for k, want in enumerate(ref["logits"]):
+        torch.testing.assert_close(steps[k][0, : s - k - 1], want[: s - k - 1], rtol=1e-4, atol=1e-4, msg=f"step {k}")
+    prompt = torch.randint(0, target.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
+    out = speculative_generate(target, head, prompt, max_new_tokens=16, num_draft_tokens=3, eos_token_id=[])
+    assert out.new_tokens == target_generate(target, prompt, max_new_tokens=16, eos_token_id=[]).new_tokens
+
+
 @pytest.mark.parametrize(
     "variant, needle",
     [
-        ({"norm_output": True}, "speculators EAGLE-3 head sets norm_output: true"),
-        ({"fc_norm": True}, "speculators EAGLE-3 head sets fc_norm: true"),
+        ({"norm_output": "yes"}, r"speculators EAGLE-3 head '.*config.json': norm_output is 'yes', not true or false"),
         ({"speculators_model_type": "dflash"}, "speculators_model_type 'dflash'"),
+        ({"specforge": True, "norm_output": True}, r"specforge EAGLE-3 head '.*config.json' sets norm_output: true"),
     ],
 )
 def test_a_variant_the_head_does_not_compute_is_one_line_naming_it(assets, tmp_path, variant, needle):
     native, tensors = trained_tensors(assets["model"], aux=[1, 2, 3])
     embed = assets["model"].get_input_embeddings().weight.detach()
-    folder = write_speculators(tmp_path / "head", native, tensors, embed, **variant)
+    if variant.pop("specforge", False):  # a flat config's norm_output: SpecForge means another norm by it
+        folder = write_specforge(tmp_path / "head", native, tensors)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **variant}))
+    else:
+        folder = write_speculators(tmp_path / "head", native, tensors, embed, **variant)
     with pytest.raises(ValueError, match=needle) as err:
         eagle3.load(folder, assets["model"])
     assert "\n" not in str(err.value)
@@ -303,11 +462,77 @@ def test_distill_continues_training_a_head_others_trained(assets, tmp_path, fmt)
     assert verifier == str(Path(assets["target"]).resolve())
 
 
-def test_bad_variant_in_draft_model_is_one_error_line_and_nothing_written(assets, tmp_path):
+@pytest.mark.slow
+def test_distill_continues_a_head_with_the_speculators_trainer_defaults(assets, tmp_path):
+    """draft.model: a speculators head with norm_before_fc, norm_before_residual and norm_output on (what the
+    speculators trainer writes by default) trains on and is saved back with its variant intact."""
+    target, flags = assets["model"], COMBINATIONS["speculators trainer defaults"]
+    native, tensors = write_variant(tmp_path / "head", target, flags)
+    out = tmp_path / "run"
+    recipe = head_recipe(assets, out, draft={"model": str(tmp_path / "head")}, train={"max_steps": 2},
+                         eval={"every": 2})  # fmt: skip
+    proc = launch(write_recipe(tmp_path, recipe))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    best = json.loads((out / "best" / "config.json").read_text())
+    assert {key: bool(best.get(key)) for key in FLAGS} == {key: bool(flags.get(key)) for key in FLAGS}
+    head = eagle3.load(out / "best", target)
+    assert head.norm_output and hasattr(head, "input_norm") and not hasattr(head, "fc_norm")
+    moved = [k for k, v in head.state_dict().items() if k in tensors and not torch.equal(v, tensors[k])]
+    assert "fc.weight" in moved  # trained from the loaded weights, not rebuilt
+
+
+def write_peagle(folder: Path, target, **config) -> Path:
+    """A speculators P-EAGLE head (``mask_hidden`` beside the EAGLE-3 tensors); ``config``: keys to set, or to
+    drop when None."""
+    native, tensors = trained_tensors(target, aux=[1, 2, 3])
+    tensors["mask_hidden"] = torch.randn(1, 3 * native["target_hidden_size"])
+    embed = target.get_input_embeddings().weight.detach()
+    write_speculators(folder, native, tensors, embed, speculators_model_type="peagle", mask_token_id=1)
+    raw = {**json.loads((folder / "config.json").read_text()), **config}
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "config, needle",
+    [
+        ({"mask_token_id": None}, "lacks mask_token_id"),
+        ({"mask_token_id": "<mask>"}, "mask_token_id is '<mask>', not an integer"),
+        ({"speculators_config": None}, "lacks block_size"),
+        ({"block_size": 0}, "block_size is 0, not an integer >= 1"),
+        ({"draft_vocab_size": "half"}, "draft_vocab_size is 'half', not an integer"),
+    ],
+)
+def test_a_peagle_head_with_a_missing_or_wrong_key_is_one_line_naming_it(assets, tmp_path, config, needle):
+    target = assets["model"]
+    good = eagle3.load(write_peagle(tmp_path / "good", target), target)
+    assert good.parallel and good.block_size == 3 and int(good.config.mask_token_id) == 1
+    folder = write_peagle(tmp_path / "head", target, **config)
+    with pytest.raises(ValueError, match=needle) as err:
+        eagle3.load(folder, target)
+    assert str(err.value).startswith("speculators P-EAGLE head ") and "\n" not in str(err.value)
+    assert str(folder / "config.json") in str(err.value)
+
+
+def test_a_layer_config_missing_a_shape_key_is_one_line_naming_it(assets, tmp_path):
     native, tensors = trained_tensors(assets["model"], aux=[1, 2, 3])
     embed = assets["model"].get_input_embeddings().weight.detach()
-    head = write_speculators(tmp_path / "head", native, tensors, embed, norm_output=True)
+    folder = write_speculators(tmp_path / "head", native, tensors, embed)
+    config = json.loads((folder / "config.json").read_text())
+    del config["transformer_layer_config"]["intermediate_size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"speculators EAGLE-3 head .* lacks transformer_layer_config.intermediate"):
+        eagle3.load(folder, assets["model"])
+
+
+def test_a_peagle_head_without_mask_token_id_is_one_error_line_in_bench_and_training(assets, tmp_path):
+    """Both entry points: ``python -m decode bench --draft HEAD`` and ``train/distill.py`` with HEAD as
+    draft.model print one error line naming the key, the format and the file, exit 2, and write nothing."""
+    head = write_peagle(tmp_path / "head", assets["model"], mask_token_id=None)
+    want = f"error: speculators P-EAGLE head {str(head / 'config.json')!r} lacks mask_token_id"
+    line = error_line(_bench(str(assets["target"]), head, assets["eval"], tmp_path / "bench.json"))
+    assert line.startswith(want) and not (tmp_path / "bench.json").exists()
     out = tmp_path / "run"
-    recipe = head_recipe(assets, out, draft={"model": str(head)}, train={"max_steps": 1})
+    recipe = head_recipe(assets, out, draft={"kind": "peagle", "model": str(head)}, train={"max_steps": 1})
     line = error_line(run_script("--recipe", str(write_recipe(tmp_path, recipe))))
-    assert "sets norm_output: true" in line and not out.exists()
+    assert line.startswith(want) and not out.exists()

@@ -4,7 +4,12 @@ another's piece imports it, and the piece lives where both can import it without
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("distill", "decode")
@@ -120,3 +125,44 @@ def test_layout_subpackages_list_their_modules():
         }
         modules = {name.rpartition(".")[2] for name in files if name.rpartition(".")[0] == package}
         assert modules <= listed, f"{package}/__init__.py does not list {sorted(modules - listed)}"
+
+
+# ---------------------------------------------------------------- the command lines answer --help at once
+
+# Each entry point as a user runs it, then what it had imported when argparse answered (and exited). torch and
+# transformers take seconds to import; --help, argument errors and --print-config need neither.
+ANSWERED = """
+import runpy, sys
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+try:
+    if sys.argv[0].endswith(".py"):
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    else:
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+except SystemExit as done:
+    print("exit", done.code)
+print("heavy", sorted(m for m in ("torch", "transformers", "accelerate") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize(
+    ("command", "answer"),
+    [
+        (["train/distill.py", "--help"], "exit 0"),
+        (["train/distill.py", "--no-such-flag"], "exit 2"),
+        (["train/distill.py", "--print-config", "train.lr=1e-4"], "  lr: 0.0001"),
+        (["train/publish.py", "--help"], "exit 0"),
+        (["train/publish.py", "runs/x"], "exit 2"),  # --repo-id missing
+        (["decode", "--help"], "exit 0"),
+    ],
+    ids=["distill-help", "distill-bad-flag", "distill-print-config", "publish-help", "publish-missing-arg", "decode"],
+)
+def test_a_command_line_answers_without_importing_torch(command, answer):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.run(
+        [sys.executable, "-c", ANSWERED, *command], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert answer in lines, proc.stdout[-2000:]
+    assert lines[-1] == "heavy []", (command, lines[-1])

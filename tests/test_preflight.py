@@ -3,8 +3,11 @@
 `train/distill.py` and `python -m decode bench` given a draft with another vocabulary, chat prompts for a target
 without a chat template, or a GGUF file of an architecture transformers cannot load: exit status 2, one `error:`
 line naming the models (or the architecture and what is supported) and the fix, no output_dir (an existing one
-left as it was), no bench JSON. The model directories here hold a config and a tokenizer but no weights: the
-checks must get by on those alone. Valid setups (quickstart, draft.init=truncate, LoRA draft, 4-bit target,
+left as it was), no bench JSON. So too train/distill.py given a draft folder saved as another kind, a DFlash
+folder of another target, block or mask token, a mask token outside the vocabulary, prompt rows with no tokens,
+or training prompts all held out as eval prompts: a finished run in output_dir keeps every file under
+--overwrite. The model directories here hold a config and a tokenizer but no weights: the checks must get by on
+those alone. Valid setups (quickstart, draft.init=truncate, LoRA draft, 4-bit target,
 padded embeddings, a GGUF target) pass.
 """
 
@@ -83,6 +86,40 @@ def eagle3_head(directory: Path, vocab: int = CHAR_VOCAB, aux: list[int] | None 
     return str(directory)
 
 
+def _random_target(vocab: int = CHAR_VOCAB):
+    """A random 4-layer target of `vocab` tokens (the `deep` model's config), to build a draft folder from."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("llama", vocab, num_hidden_layers=4))
+
+
+def dflash_folder(directory: Path, vocab: int = CHAR_VOCAB, block: int = 4) -> str:
+    """A DFlash draft folder (as train/distill.py's best/ of a dflash run) of `block` for a `vocab`-token target."""
+    from decode.kinds import dflash
+
+    dflash.save(dflash.build(_random_target(vocab), None, num_layers=1, block_size=block, mask_token_id=1), directory)
+    return str(directory)
+
+
+def peagle_folder(directory: Path) -> str:
+    """A P-EAGLE head folder of block 4 (as a peagle run's best/) for the `deep` target."""
+    from decode.kinds import eagle3, peagle
+
+    head = eagle3.build(_random_target(), list(range(16)), None)
+    eagle3.save(peagle.with_mask(head, block_size=4, mask_token_id=1), directory)
+    return str(directory)
+
+
+def pard_folder(directory: Path) -> str:
+    """A weightless PARD draft folder of block 4 (its config.json marked with pard_token, as a pard run's best/)."""
+    weightless(directory, char_tokenizer())
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "pard_token": 1, "block_size": 4}))
+    return str(directory)
+
+
 def jsonl(path: Path, rows: list[dict]) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
@@ -106,12 +143,28 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "head_bpe": eagle3_head(root / "head_bpe", vocab=len(bpe)),
         "head_wide": eagle3_head(root / "head_wide", hidden_size=96),
         "head_deep": eagle3_head(root / "head_deep", aux=[2, 4, 6], num_hidden_layers=8),
+        "dflash_dir": dflash_folder(root / "dflash_dir"),
+        "dflash_bpe": dflash_folder(root / "dflash_bpe", vocab=len(bpe)),
+        "peagle_dir": peagle_folder(root / "peagle_dir"),
+        "pard_dir": pard_folder(root / "pard_dir"),
         "odd": made_up_gguf(root / "odd.gguf"),
         "raw": jsonl(root / "raw.jsonl", [{"prompt": "def f(x):"}, {"prompt": "import os"}]),
+        "raw_eval": jsonl(root / "raw_eval.jsonl", [{"prompt": "class A:"}, {"prompt": "x = 1"}]),
+        "blank": jsonl(root / "blank.jsonl", [{"prompt": ""}, {"prompt": ""}]),  # rows that tokenise to nothing
+        "eval_blank": jsonl(root / "eval_blank.jsonl", [{"prompt": "x = 1"}, {"prompt": ""}]),
+        "chat16": jsonl(root / "chat16.jsonl", [_conversation(i) for i in range(16)]),
+        "text_rows": jsonl(root / "text.jsonl", [{"text": "def f(x):"}, {"text": "import os"}]),
+        "text_eval": jsonl(root / "text_eval.jsonl", [{"text": "class A:"}]),
         "chat": jsonl(root / "chat.jsonl", [{"prompt": "def f(x):"}, CHAT_ROW]),
         "missing": str(root / "missing.jsonl"),  # never written
         "no_prompt": jsonl(root / "no_prompt.jsonl", [{"prompt": "def f(x):"}, {"text": "import os"}]),
         "not_json": _text(root / "not_json.jsonl", '{"prompt": "def f(x):"}\n{"prompt": "import os"\n'),
+    }
+
+
+def _conversation(i: int) -> dict:
+    return {
+        "messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
     }
 
 
@@ -124,7 +177,7 @@ def recipe_dict(inputs: dict, out: Path, **sections) -> dict:
     recipe = {
         "target": {"model": inputs["target"], "dtype": "float32"},
         "draft": {"model": inputs["draft"], "dtype": "float32"},
-        "data": {"train_prompts": inputs["raw"], "eval_prompts": inputs["raw"]},
+        "data": {"train_prompts": inputs["raw"], "eval_prompts": inputs["raw_eval"]},
         "train": {"max_steps": 2, "batch_size": 2},
         "log": {"report_to": "wandb"},
         "output_dir": str(out),
@@ -307,6 +360,110 @@ def test_overwrite_keeps_a_run_whose_files_are_its_inputs(inputs, tmp_path, caps
     assert line.startswith(f"error: --overwrite: --recipe {str(path)!r} lies in output_dir"), line
 
 
+# Inputs a run used to find bad only once it had written output_dir (or, for a folder of another kind, never):
+# each is refused before output_dir is touched, a finished run there left as it was by --overwrite.
+PEAGLE = {**EAGLE3, "kind": "peagle"}
+BEFORE_OUTPUT_DIR = {
+    "DFlash folder as a PARD draft": (
+        {"target": {"model": "deep"}, "draft": {"model": "dflash_dir", "kind": "pard", "block_size": 4}},
+        ["draft.model", "dflash_dir'", "is a DFlash draft folder", "draft.kind=pard trains", "set draft.kind=dflash"],
+    ),
+    "DFlash folder as a standalone draft": (
+        {"target": {"model": "deep"}, "draft": {"model": "dflash_dir"}},
+        ["draft.model", "is a DFlash draft folder", "draft.kind=standalone trains", "set draft.kind=dflash"],
+    ),
+    "P-EAGLE folder as an EAGLE-3 head": (
+        {"target": {"model": "deep"}, "draft": {"model": "peagle_dir", **EAGLE3}},
+        ["draft.model", "is a P-EAGLE head folder", "draft.kind=eagle3 trains", "set draft.kind=peagle"],
+    ),
+    "PARD folder as a standalone draft": (
+        {"draft": {"model": "pard_dir"}},
+        ["draft.model", "is a PARD draft LM folder", "draft.kind=standalone trains", "set draft.kind=pard"],
+    ),
+    "DFlash folder for another target": (
+        {"target": {"model": "deep"}, "draft": {"model": "dflash_bpe", "kind": "dflash", "block_size": 4}},
+        ["draft.model and target.model", "dflash_bpe", f"vocabulary {BPE_VOCAB}", "pass the target it was trained on"],
+    ),
+    "DFlash folder of another block": (
+        {
+            "target": {"model": "deep"},
+            "draft": {"model": "dflash_dir", "kind": "dflash", "block_size": 6},
+            "eval": {"num_draft_tokens": 6},
+        },
+        ["draft.block_size=6", "DFlash draft of block 4", "set draft.block_size=4", "leave draft.model empty"],
+    ),
+    "DFlash folder of another mask token": (
+        {
+            "target": {"model": "deep"},
+            "draft": {"model": "dflash_dir", "kind": "dflash", "block_size": 4, "mask_token_id": 5},
+        },
+        ["draft.mask_token_id=5", "DFlash draft with mask token 1", "set draft.mask_token_id=1 (or null)"],
+    ),
+    "P-EAGLE mask token outside the target's vocabulary": (
+        {"target": {"model": "deep"}, "draft": {"model": "", **PEAGLE, "mask_token_id": CHAR_VOCAB}},
+        [f"draft.mask_token_id={CHAR_VOCAB}", f"the target's vocabulary of {CHAR_VOCAB}", f"0..{CHAR_VOCAB - 1}"],
+    ),
+    "PARD mask token outside the draft's vocabulary": (
+        {"draft": {"kind": "pard", "mask_token_id": 500}},
+        ["draft.mask_token_id=500", f"the draft's vocabulary of {CHAR_VOCAB}", f"0..{CHAR_VOCAB - 1}"],
+    ),
+    "DFlash mask token outside the target's vocabulary": (
+        {"target": {"model": "deep"}, "draft": {"model": "", "kind": "dflash", "mask_token_id": CHAR_VOCAB}},
+        [f"draft.mask_token_id={CHAR_VOCAB}", f"the target's vocabulary of {CHAR_VOCAB}"],
+    ),
+    "training prompts that tokenise to nothing": (
+        {"data": {"train_prompts": "blank"}},
+        ["none of the 2 training rows", "data.train_prompts", "blank.jsonl", "any tokens after tokenisation"],
+    ),
+    "an eval prompt that tokenises to nothing": (
+        {"data": {"eval_prompts": "eval_blank"}},
+        ["eval prompt 2 of data.eval_prompts", "eval_blank.jsonl", "no tokens", "eval.num_prompts"],
+    ),
+    "the same file for training and eval prompts": (
+        {"data": {"train_prompts": "chat16", "eval_prompts": "chat16", "apply_chat_template": False}},
+        [
+            "every data.train_prompts",
+            "chat16.jsonl",
+            "is also in data.eval_prompts",
+            "held out from training",
+            "give a different data.eval_prompts",
+            "leave it empty to hold out data.eval_split",
+        ],
+    ),  # fmt: skip
+}
+
+
+def finished_run(out: Path, inputs: dict) -> dict[str, bytes]:
+    """A finished run's directory at `out` (marker, recipe, best/, a checkpoint, report, metrics); its files."""
+    import shutil
+
+    from distill.training.run_state import RUN_MARKER
+
+    shutil.copytree(inputs["draft"], out / "best")
+    shutil.copytree(inputs["draft"], out / "checkpoints" / "step-2")
+    (out / RUN_MARKER).write_text(json.dumps({"tool": "draftsmith", "kind": "distill run", "run_id": "0123abcd"}))
+    (out / "resolved_recipe.yaml").write_text("output_dir: run\n")
+    (out / "report.json").write_text('{"checkpoints": []}\n')
+    (out / "metrics.jsonl").write_text('{"step": 1, "train/loss": 1.0}\n')
+    return tree(out)
+
+
+@pytest.mark.parametrize("case", list(BEFORE_OUTPUT_DIR))
+def test_refused_before_output_dir_is_touched(inputs, tmp_path, capsys, case):
+    """Exit status 2 and one error line; a fresh output_dir is not created (no marker or resolved recipe that
+    would refuse the corrected rerun), and a finished run's directory given with --overwrite keeps every file."""
+    sections, needles = BEFORE_OUTPUT_DIR[case]
+    fresh, finished = tmp_path / "fresh", tmp_path / "finished"
+    before = finished_run(finished, inputs)
+    for out, flags in ((fresh, []), (finished, ["--overwrite"])):
+        path = tmp_path / "r.yaml"
+        path.write_text(yaml.safe_dump(recipe_dict(inputs, out, **_resolve(inputs, sections))))
+        line = distill_cli(["--recipe", str(path), *flags], capsys)
+        assert all(n in line for n in needles), line
+    assert not fresh.exists()
+    assert tree(finished) == before
+
+
 def test_missing_gguf_package_stays_one_line_and_writes_nothing(inputs, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # what `import gguf` sees where the package is absent
     path = tmp_path / "r.yaml"
@@ -352,6 +509,24 @@ def test_valid_setups_pass(inputs, tmp_path, tiny_gguf):
         "EAGLE-3 head built from the target": {"target": {"model": inputs["deep"]}, "draft": {"model": "", **EAGLE3}},
         "EAGLE-3 head folder made for the target": {
             "target": {"model": inputs["deep"]}, "draft": {"model": inputs["head"], **EAGLE3},
+        },
+        "P-EAGLE head from an EAGLE-3 head folder": {
+            "target": {"model": inputs["deep"]}, "draft": {"model": inputs["head"], **PEAGLE},
+        },
+        "P-EAGLE head folder continued, for another block": {
+            "target": {"model": inputs["deep"]}, "draft": {"model": inputs["peagle_dir"], **PEAGLE, "block_size": 6},
+        },
+        "DFlash folder continued at its block": {
+            "target": {"model": inputs["deep"]},
+            "draft": {"model": inputs["dflash_dir"], "kind": "dflash", "block_size": 4, "mask_token_id": 1},
+        },
+        "PARD folder continued": {
+            "draft": {"model": inputs["pard_dir"], "kind": "pard", "mask_token_id": CHAR_VOCAB - 1},
+        },
+        "PARD draft from a causal LM": {"draft": {"kind": "pard"}},
+        "eval rows held out of the training file (data.eval_split)": {"data": {"eval_prompts": ""}},
+        "rows by data.prompt_field": {
+            "data": {"train_prompts": inputs["text_rows"], "eval_prompts": inputs["text_eval"], "prompt_field": "text"}
         },
     }  # fmt: skip
     for name, sections in setups.items():

@@ -450,6 +450,37 @@ def test_cli_errors(run_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bare-run", "full"]  # nothing written
 
 
+@pytest.mark.parametrize("ships", ["draft", "target"])
+def test_cli_runs_shipped_code_only_with_trust_remote_code(run_dir, tmp_path, ships):
+    """A checkpoint (or the target its recipe names) whose config.json has auto_map, with a recipe saying
+    trust_remote_code: true: publish refuses it without --trust-remote-code (its code never imported, nothing
+    written); with the flag it publishes, running that code."""
+    from tests.tiny import ship_code
+
+    recipe_path = run_dir / "resolved_recipe.yaml"
+    ckpt = Path(shutil.copytree(run_dir / "best", tmp_path / "run" / "best"))
+    overrides = ["draft.trust_remote_code=true", "target.trust_remote_code=true"]
+    if ships == "target":
+        target = shutil.copytree(load_recipe(recipe_path).target.model, tmp_path / "target")
+        overrides.append(f"target.model={ship_code(target)}")
+    else:
+        ship_code(ckpt)
+    save_recipe(load_recipe(recipe_path, overrides), ckpt.parent)
+    marker, out = tmp_path / "IMPORTED", tmp_path / "out"
+    env = {"SHIPPED_CODE_MARKER": str(marker)}
+    proc = run_cli(str(ckpt), "--repo-id", REPO_ID, "--dry-run", str(out), env=env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: the {ships} "), proc.stderr
+    assert "auto_map in its config.json" in lines[0] and "--trust-remote-code" in lines[0]
+    assert not marker.exists() and not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run", *(["target"] if ships == "target" else [])])
+    if ships == "target":
+        return
+    proc = run_cli(str(ckpt), "--repo-id", REPO_ID, "--dry-run", str(out), "--trust-remote-code", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert marker.read_text() == "imported" and (out / "model.safetensors").is_file()
+
+
 def test_cli_not_logged_in(run_dir, tmp_path):
     """Online but without a token: stops at whoami, before building or uploading (no network is touched)."""
     env = {"HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": ""}

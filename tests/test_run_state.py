@@ -655,12 +655,12 @@ distill.main(sys.argv[4:], on_step=lambda report: time.sleep(step_s))
 
 
 def start_slowed(tmp_path: Path, name: str, recipe: dict, *args: str, step_s: float = 0.0, hold_at: int = -1,
-                 processes: int = 1) -> tuple[subprocess.Popen, Path]:  # fmt: skip
-    """train/distill.py on `recipe` (SLOWED) in a fresh process, or `processes` over gloo under accelerate launch;
-    stdout and stderr go to tmp_path/NAME.log, returned with the process."""
+                 processes: int = 1, source: str = SLOWED) -> tuple[subprocess.Popen, Path]:  # fmt: skip
+    """train/distill.py on `recipe` (`source`: SLOWED or a variant) in a fresh process, or `processes` over gloo
+    under accelerate launch; stdout and stderr go to tmp_path/NAME.log, returned with the process."""
     recipe_path, script, log = tmp_path / f"{name}.yaml", tmp_path / "slowed.py", tmp_path / f"{name}.log"
     recipe_path.write_text(yaml.safe_dump(recipe))
-    script.write_text(SLOWED)
+    script.write_text(source)
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONFAULTHANDLER"] = "1"  # a run that hangs is stopped with SIGABRT by finish(): its stacks in the log
@@ -891,6 +891,71 @@ def test_sigterm_to_two_processes_saves_the_same_step_on_both(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["world_size"] == 2 and report["param_checksums"][0] == report["param_checksums"][1]
     assert [r["step"] for r in metric_rows(out, "train/loss")] == list(range(1, 9))
+
+
+# SLOWED, holding instead the checkpoint of step `hold_at` once evaluated and logged, before it is written (it writes
+# `saving` beside output_dir, then sleeps until the test kills it)
+HELD_SAVE = SLOWED.replace(
+    "loop.evaluate_checkpoint = held  # what evaluate_and_save calls\n",
+    """from distill.training import run_state
+finish = run_state.RunState.finish_checkpoint
+
+def finish_held(self, draft, tokenizer, step, result, tmp):
+    if step == hold_at:
+        (self.out.parent / "saving").write_text("")
+        time.sleep(600)
+    return finish(self, draft, tokenizer, step, result, tmp)
+
+run_state.RunState.finish_checkpoint = finish_held
+""",
+)
+
+
+def row_kinds(out: Path) -> list[tuple[int, str]]:
+    """metrics.jsonl's rows as (step, kind): the start record, a step's train/ figures, an evaluation."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], "start" if "distributed" in r else "eval" if "eval/speedup" in r else "train") for r in rows]
+
+
+@pytest.mark.slow
+def test_metrics_keep_one_row_per_step_and_kind_across_kills(tmp_path):
+    """Killed before the first checkpoint (its evaluation logged), interrupted in step 0's evaluation and after a
+    checkpoint, each time resumed: metrics.jsonl ends with one row of each kind per step, and step 0's evaluation
+    row is the one its checkpoint holds."""
+    paths = tiny_run_paths(tmp_path / "assets")
+    out = tmp_path / "run"
+    recipe = tiny_recipe(paths, out, {"max_new_tokens": 8}, {"max_steps": 4, "batch_size": 2}, eval={"every": 2})
+    # killed (-9) while step 0's checkpoint is written, its evaluation logged: no checkpoint
+    proc, log = start_slowed(tmp_path, "first", recipe, hold_at=0, source=HELD_SAVE)
+    deadline = time.time() + 300
+    while not (tmp_path / "saving").is_file():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    assert not (out / "checkpoints" / "step-0").exists() and (0, "eval") in row_kinds(out)
+
+    # interrupted in step 0's evaluation: a resume-only step-0, its evaluation due
+    rc, output = interrupt_when(
+        *start_slowed(tmp_path, "second", recipe, "--resume", hold_at=0), (tmp_path / "evaluating").is_file
+    )
+    assert rc == 2 and "its evaluation was cut short" in output, output[-3000:]
+
+    # interrupted past step 2's checkpoint
+    proc, log = start_slowed(tmp_path, "third", recipe, "--resume", step_s=0.5)
+    rc, output = interrupt_when(proc, log, lambda: any(r["step"] >= 3 for r in metric_rows(out, "train/loss")))
+    assert rc == 2 and re.fullmatch(SAVED, error_lines(output)[0]), output[-3000:]
+    stopped = int(re.fullmatch(SAVED, error_lines(output)[0]).group(1))
+
+    rc, output = finish(*start_slowed(tmp_path, "last", recipe, "--resume"))
+    assert rc == 0, output[-3000:]
+    kinds = row_kinds(out)
+    assert len(kinds) == len(set(kinds)), kinds
+    assert sorted(kinds) == sorted(
+        [(0, "start"), (stopped, "start"), (0, "eval"), (2, "eval"), (4, "eval"), *((s, "train") for s in range(1, 5))]
+    )
+    base = json.loads((out / "base_eval.json").read_text())
+    assert metric_rows(out, "eval/speedup")[0]["eval/speedup"] == pytest.approx(base["speedup"]["vs_target"])
 
 
 # ---------------------------------------------------------------- SIGTERM stops the quickstart build

@@ -21,7 +21,7 @@ from distill.training.schedule import (
     generation_warning,
     lr_multiplier,
 )
-from tests.procs import load_script, run_distill, tiny_recipe
+from tests.procs import run_distill, tiny_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_RECIPES = sorted((REPO / "recipes").glob("stdlib-*.yaml"))
@@ -115,7 +115,8 @@ def test_scheduler_reads_the_clock_and_its_state_resumes():
 def minute_marks(generate_s: float, step_s: float, steps: int, every_minutes: float, done_s: float = 0.0) -> list:
     """The steps train/distill.py's loop evaluates at by eval.every_minutes: the clock starts at `generate_s`
     (the target's continuations, plus a resumed run's `done_s` of steps), each step adds `step_s`."""
-    crossed = load_script("train/distill.py", "distill_script_for_step_marks").crossed_minute_mark
+    from distill.training.loop import crossed_minute_mark as crossed  # what train/distill.py's loop calls
+
     clock = TrainClock()
     clock.elapsed_s = generate_s + done_s
     clock.start_steps(done_s)

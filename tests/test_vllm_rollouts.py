@@ -3,7 +3,10 @@ helpers, and the check that captured hidden states reproduce the target's logits
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
+import os
 
 import pytest
 import torch
@@ -109,3 +112,74 @@ def test_prefilled_states_are_the_training_steps_own(target):
         kept = cache._entries[sequence_key(prompt, completion)]
         torch.testing.assert_close(kept[0], features[b, :n])
         torch.testing.assert_close(kept[1], last[b, :n])
+
+
+# ---------------------------------------------------------------- the arguments a run hands vLLM's LLM(...)
+
+# A stand-in for vLLM's package, seen by the worker process only: its LLM(...) writes the keyword arguments it is
+# given to $RECORD_ENV and refuses to load, so the arguments that reach vLLM through the real path (the run's or the
+# bench's call, the worker process, its LLM(...) call) are read without vLLM installed.
+RECORD_ENV = "DRAFTSMITH_TEST_LLM_ARGS"
+STAND_IN = {
+    "__init__.py": f"""
+import json, os
+
+__version__ = "0-stand-in"
+
+
+class LLM:
+    def __init__(self, **kwargs):
+        with open(os.environ["{RECORD_ENV}"], "w") as f:
+            json.dump(kwargs, f)
+        raise RuntimeError("stand-in vLLM: arguments recorded")
+
+
+class SamplingParams:
+    pass
+""",
+    "inputs.py": "class TokensPrompt(dict):\n    pass\n",
+}
+
+
+def _llm_arguments(tmp_path, monkeypatch, call) -> dict:
+    """The keyword arguments `call()` makes the vLLM worker pass to LLM(...), with the stand-in package as vLLM."""
+    package = tmp_path / "stand-in" / "vllm"
+    package.mkdir(parents=True)
+    for name, text in STAND_IN.items():
+        (package / name).write_text(text)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(package.parent), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(RECORD_ENV, str(tmp_path / "llm-args.json"))
+    monkeypatch.delenv(vllm_rollouts.ENGINE_ARGS_ENV, raising=False)
+    with pytest.raises(ValueError, match="stand-in vLLM: arguments recorded"):
+        call()
+    return json.loads((tmp_path / "llm-args.json").read_text())
+
+
+@pytest.mark.parametrize("caller", ["run", "bench-generation-only"])
+def test_sampled_prompts_reach_vllm_prefilled_whole(tmp_path, monkeypatch, caller):
+    """At T > 0 the LLM(...) a run's continuations (pregenerate_with_vllm) and the bench's generation-only pass
+    start has chunked prefill off and a step budget that holds the longest sequence whole: vLLM on CPU stops when it
+    rewinds the seeded generator of a prompt whose prefill it split (vllm_rollouts.scheduling_args). Prompts past
+    vLLM's default budget of 4096 tokens, so a fixed budget would split them."""
+    from distill.data.prompts import Example
+    from distill.data.rollouts import RolloutSource
+    from tests.procs import load_script
+    from tests.tiny import char_tokenizer
+
+    new_tokens, longest = 64, 6000
+    recipe = load_recipe(
+        None, [f"target.model={tmp_path}", "distill.source=target", "distill.gen_temperature=0.8",
+               f"distill.max_new_tokens={new_tokens}", "data.engine=vllm"],
+    )  # fmt: skip
+    model = tiny_llama(96, seed=0, max_position_embeddings=8192)
+    source = RolloutSource(recipe.distill, model, char_tokenizer(), cache_dir=tmp_path / "cache", vocab=96)
+    examples = [Example(i, [5 + i] * n) for i, n in enumerate((30, longest, 900))]
+    if caller == "run":
+        call = functools.partial(vllm_rollouts.pregenerate_with_vllm, recipe, source, examples, progress=False)
+    else:
+        bench = load_script("bench/rollout_engines.py")
+        call = functools.partial(bench.vllm_generation_only, recipe, source, examples, repeats=1)
+    args = _llm_arguments(tmp_path, monkeypatch, call)
+    assert args["max_model_len"] >= longest + new_tokens, args
+    assert args.get("enable_chunked_prefill") is False, args
+    assert args.get("max_num_batched_tokens", 0) >= args["max_model_len"], args

@@ -342,3 +342,35 @@ def make_prompts(path: Path, n: int, seed: int = 0, chars: int = 120) -> Path:
             start = int(torch.randint(0, len(text) - chars, (1,), generator=g))
             f.write(json.dumps({"id": f"p{i}", "prompt": text[start : start + chars]}) + "\n")
     return Path(path)
+
+
+SHIPPED_CODE = """# A model's own modelling code, as a Hub repo ships it: importing it leaves a marker file.
+import os
+from pathlib import Path
+
+from transformers import LlamaConfig, LlamaForCausalLM
+
+Path(os.environ["SHIPPED_CODE_MARKER"]).write_text("imported")
+
+
+class ShippedConfig(LlamaConfig):
+    model_type = "llama"
+
+
+class ShippedForCausalLM(LlamaForCausalLM):
+    config_class = ShippedConfig
+"""
+
+
+def ship_code(folder: Path) -> Path:
+    """Make the saved Llama in `folder` ship its own modelling code (`auto_map` in config.json, as a Hub repo with
+    custom code does): importing that code writes the file named by $SHIPPED_CODE_MARKER. Returns `folder`."""
+    folder = Path(folder)
+    (folder / "modeling_shipped.py").write_text(SHIPPED_CODE)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {
+        "AutoConfig": "modeling_shipped.ShippedConfig",
+        "AutoModelForCausalLM": "modeling_shipped.ShippedForCausalLM",
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

@@ -36,39 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a source checkout without installing
 
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from distill.config import Recipe, RecipeError, dump_recipe, load_recipe, save_recipe, to_dict  # noqa: E402
+from distill.config import Recipe, RecipeError, dump_commented, load_recipe, to_dict  # noqa: E402
 from distill.training import interrupt  # noqa: E402
-from distill.training.build import build_accelerator, build_data, build_source, pregenerate, resume_state  # noqa: E402
-from distill.training.checkpoints import DiskFullError, newest_checkpoint  # noqa: E402
-from distill.training.engines import measure_extra_engines  # noqa: E402
-from distill.training.helpers import (  # noqa: E402
-    MetricsLog,
-    Timer,
-    batch_indices,
-    build_optimizer,
-    fail,
-    param_checksum,
-    step_generator,
-)
-from distill.training.loop import (  # noqa: E402
-    CheckpointContext,
-    EvaluationFailed,
-    NonFiniteLoss,
-    StepTally,
-    check_finite,
-    check_weights_finite,
-    crossed_minute_mark,
-    evaluate_and_save,
-    save_state_only,
-    shared_elapsed_s,
-    step_metrics,
-    time_is_up,
-    write_report,
-)
-from distill.training.run_state import RunState, check_resume_recipe, prepare_output_dir, run_inputs  # noqa: E402
 
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
@@ -96,7 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(they are printed; without this flag --resume refuses them)",
     )
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached quickstart pair")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved recipe, each key's help as a comment, and exit"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4 eval.every=50")
     return parser.parse_intermixed_args(argv)
 
@@ -132,13 +103,21 @@ def resolve_local_artifacts(recipe: Recipe, rebuild: bool, is_main: bool) -> Non
 def main(argv: list[str] | None = None, on_step: Callable[[StepReport], None] | None = None) -> None:
     """The command line. `on_step` (for benchmarks and tests) is called after every optimizer step."""
     args = parse_args(argv)
+    # the training side loads torch and transformers (seconds): imported only past the arguments and the recipe, so
+    # --help and --print-config answer at once
     try:
         recipe = load_recipe(args.recipe or QUICKSTART, args.overrides)
     except RecipeError as err:
+        from distill.training.helpers import fail
+
         fail(str(err))
     if args.print_config:
-        print(dump_recipe(recipe), end="")
+        print(dump_commented(recipe), end="")
         return
+    from distill.training.checkpoints import DiskFullError
+    from distill.training.helpers import fail
+    from distill.training.loop import EvaluationFailed, NonFiniteLoss
+
     interrupt.install()  # SIGTERM stops a run like Ctrl-C; in training, after saving the step's state
     try:
         run(recipe, args, on_step=on_step)
@@ -149,11 +128,38 @@ def main(argv: list[str] | None = None, on_step: Callable[[StepReport], None] | 
 
 
 def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport], None] | None = None) -> None:
+    import torch
     from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
 
     from distill import draft_init, kinds, models
     from distill.data.prompts import collate_training
     from distill.training import distributed, preflight, schedule
+    from distill.training.build import build_accelerator, build_data, build_source, pregenerate, resume_state
+    from distill.training.checkpoints import newest_checkpoint
+    from distill.training.engines import measure_extra_engines
+    from distill.training.helpers import (
+        MetricsLog,
+        Timer,
+        batch_indices,
+        build_optimizer,
+        param_checksum,
+        step_generator,
+    )
+    from distill.training.loop import (
+        CheckpointContext,
+        StepTally,
+        check_finite,
+        check_weights_finite,
+        crossed_minute_mark,
+        evaluate_and_save,
+        save_state_only,
+        shared_elapsed_s,
+        step_metrics,
+        time_is_up,
+        write_report,
+    )
+    from distill.training.run_state import RunState, check_resume_recipe, prepare_output_dir, run_inputs
 
     # ---- setup
     kind = kinds.get(recipe.draft.kind)  # how this draft is built, trained, evaluated and saved (distill/kinds/)
@@ -175,7 +181,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
             for change in check_resume_recipe(out, recipe, args.allow_recipe_change):
                 print(f"--resume: recipe changed: {change}")
         state.clean_temporaries()
-        save_recipe(recipe, out)
+        state.save_recipe()  # atomic: --resume compares the recipe with it
     rank, world = accelerator.process_index, accelerator.num_processes
 
     # ---- models
@@ -317,7 +323,9 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     if accelerator.is_main_process and recipe.publish.push_to_hub:
         from distill.publishing.publish import publish
 
-        print(f"published: {publish(out / 'best', recipe.publish.repo_id, private=recipe.publish.private)}")
+        trust = recipe.draft.trust_remote_code or recipe.target.trust_remote_code  # this recipe is the user's own
+        where = publish(out / "best", recipe.publish.repo_id, private=recipe.publish.private, trust_remote_code=trust)
+        print(f"published: {where}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ The folder (docs/publish.md): merged safetensors with the target's vocab_size, t
 generation_config.json with the best measured num_assistant_tokens, README.md (model card with the figures
 of every engine that measured the draft, in model-index too, hardware, prompts, recipe and HF / vLLM / SGLang
 usage), draftsmith_eval.json and resolved_recipe.yaml; local paths appear only as base names. Uploads use
-HF_TOKEN or a saved `hf auth login`. Errors print one line and exit 2.
+HF_TOKEN or a saved `hf auth login`. Python shipped with a model (`auto_map`) runs only with --trust-remote-code.
+Errors print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from pathlib import Path
 
 # The repo root first: run as a script, this folder (which holds train/distill.py) would shadow the package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from distill.publishing.publish import PublishError, publish  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "speculative flags (default: the recipe's target.model when it is a Hub id; a local one names none)",
     )
     p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the Python the folder or its target ships (auto_map in config.json) when loading them; without "
+        "it such a model is refused, whatever the run's recipe says",
+    )
+    p.add_argument(
         "--no-remeasure",
         action="store_true",
         help="QLoRA: publish the training-time (4-bit) figures with a note instead of re-measuring the merged draft",
@@ -53,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # imported once the arguments parse: it loads torch and transformers (seconds), which --help does not need
+    from distill.publishing.publish import PublishError, publish
+
     handler = logging.StreamHandler()  # the library's warnings, one line each
     handler.setFormatter(logging.Formatter("warning: %(message)s"))
     logging.getLogger("draftsmith.publish").addHandler(handler)
@@ -67,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             remeasure=not args.no_remeasure,
             license=args.license,
             verifier=args.verifier,
+            trust_remote_code=args.trust_remote_code,
         )
     except PublishError as e:
         print(f"error: {e}", file=sys.stderr)

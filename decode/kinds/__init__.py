@@ -17,6 +17,7 @@ The accept/reject rule, the bench and best/ selection stay the same for every ki
     peagle       an EAGLE-3 head that drafts a whole block in one forward (decode.kinds.peagle)
     pard         a standalone draft LM that drafts a whole block in one forward from mask tokens (decode.kinds.pard)
     dflash       a few layers filling a whole block from the target's hidden states in one pass (decode.kinds.dflash)
+    dspark       a DFlash block plus a Markov bias chained through it, a confidence cut (decode.kinds.dspark)
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decode.kinds import dflash, eagle3, pard, peagle, standalone
+from decode.kinds import dflash, dspark, eagle3, pard, peagle, standalone
 from decode.kinds.standalone import Verified
 
 # the registry: each kind's module, in the order kind_of reports them (a new kind: its module, and one line here).
 # A module gives ``NAME``, ``BLOCK`` (a whole block per draft forward), ``drafter(draft, batch, vocab, input_ids,
 # prompt_mask)``, ``cost_stream(model, batch)``, ``block_of(draft)`` (None for a chain) and
 # ``check_draft_length(draft, gamma)``.
-MODULES = {m.NAME: m for m in (standalone, eagle3, peagle, pard, dflash)}
+MODULES = {m.NAME: m for m in (standalone, eagle3, peagle, pard, dflash, dspark)}
 KINDS = tuple(MODULES)
 BLOCK_KINDS = tuple(name for name, m in MODULES.items() if m.BLOCK)  # a whole block per draft forward
 

@@ -31,7 +31,7 @@ per-head ``q_norm``/``k_norm``), ``norm``, and no ``embed_tokens`` or ``lm_head`
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -85,7 +85,7 @@ def check_draft_length(draft: nn.Module, gamma: int) -> None:
     block = block_of(draft)
     if gamma > block:
         raise ValueError(
-            f"num_draft_tokens={gamma} is above the block of {block} tokens this DFlash draft was trained for: use "
+            f"num_draft_tokens={gamma} is above the block of {block} tokens this {draft.title} was trained for: use "
             f"num_draft_tokens <= {block} or 'auto', or train a draft with a larger draft.block_size"
         )
 
@@ -181,6 +181,7 @@ class DFlashDraft(nn.Module):
     """
 
     kind = NAME
+    title = "DFlash draft"  # what messages call it
 
     def __init__(self, config: LlamaConfig, embed_tokens: nn.Module, lm_head: nn.Module):
         super().__init__()
@@ -236,7 +237,21 @@ class DFlashDraft(nn.Module):
         ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
         ctx_mask: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits [B, N, Q, V] of N blocks of Q positions each.
+        """Logits [B, N, Q, V] of N blocks of Q positions each: :meth:`block_states` through the output layer."""
+        return self.head_logits(self.block_states(ids, positions, ctx_kv, ctx_mask))
+
+    def head_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final-normed states [..., H] through the target's output layer."""
+        return self.lm_head(states.to(self.lm_head.weight.dtype)).float()
+
+    def block_states(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        ctx_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """The final-normed states [B, N, Q, H] of N blocks of Q positions each (heads on top read them).
 
         Args:
             ids, positions: [B, N, Q] the blocks' tokens (the verified one, then mask tokens) and position ids.
@@ -257,7 +272,7 @@ class DFlashDraft(nn.Module):
             )  # fmt: skip
             x = x + attn_mod.o_proj(out.flatten(2, 3).transpose(1, 2).flatten(2))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(self.norm(x).to(self.lm_head.weight.dtype)).float().unflatten(1, (n, width))
+        return self.norm(x).unflatten(1, (n, width))
 
     def block_logits(
         self, ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor | None = None
@@ -273,6 +288,12 @@ class DFlashDraft(nn.Module):
             ids: [B, S]; features: [B, S, n * H_target] the target's hidden states at ``aux_layers``; valid: [B, S]
                 bool, padding on the right; anchors: [B, N] the anchor positions, default every position (N = S).
         """
+        return self.head_logits(self.anchor_states(ids, features, valid, anchors))
+
+    def anchor_states(
+        self, ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The final-normed states [B, N, K + 1, H] of :meth:`block_logits`'s blocks."""
         batch, width = ids.shape
         block = self.block_size + 1
         arange = torch.arange(width, device=ids.device)
@@ -284,7 +305,7 @@ class DFlashDraft(nn.Module):
         block_ids = torch.cat([first[..., None], masks], -1)
         positions = anchors[..., None] + 1 + torch.arange(block, device=ids.device)
         ctx_mask = (arange <= anchors[..., None]) & valid.bool()[:, None, :]
-        return self.blocks(block_ids, positions, ctx_kv, ctx_mask)
+        return self.block_states(block_ids, positions, ctx_kv, ctx_mask)
 
 
 def block_mask(valid: torch.Tensor, k: int) -> torch.Tensor:
@@ -345,11 +366,16 @@ def _read_context(draft: DFlashDraft, cache: ContextCache, features: torch.Tenso
 def _block(draft: DFlashDraft, cache: ContextCache, last: torch.Tensor) -> torch.Tensor:
     """One block forward after the cached context: logits [B, K + 1, V] of [last, mask * K] at the next
     positions."""
+    return draft.head_logits(block_states(draft, cache, last))
+
+
+def block_states(draft: DFlashDraft, cache: ContextCache, last: torch.Tensor) -> torch.Tensor:
+    """:func:`_block`'s final-normed states [B, K + 1, H]."""
     batch, block = last.shape[0], draft.block_size + 1
     masks = torch.full((batch, block - 1), draft.mask_token_id, dtype=last.dtype, device=last.device)
     ids = torch.cat([last[:, None], masks], 1)[:, None]
     positions = (cache.length[:, None] + torch.arange(block, device=last.device))[:, None]
-    return draft.blocks(ids, positions, cache.kv, cache.valid[:, None])[:, 0]
+    return draft.block_states(ids, positions, cache.kv, cache.valid[:, None])[:, 0]
 
 
 class Drafter(eagle3.Drafter):
@@ -379,14 +405,18 @@ class Drafter(eagle3.Drafter):
             self.pending = None
             _read_context(self.head, self.cache, features, valid)
             self.forwards += 1
-            logits = _block(self.head, self.cache, ids[:, -1])[..., : self.vocab]  # the round's token is last
-            later = iter(range(2, block + 1))
-
-            def step(token: torch.Tensor) -> torch.Tensor:  # already computed: no forward
-                return logits[:, next(later)]
-
-            tokens, qs = draft_tokens(logits[:, 1], step, controller, block, proc, greedy, generator)
+            tokens, qs = self.chain(ids[:, -1], controller, block, proc, greedy, generator)  # the round's last token
         return stack(tokens, qs, batch, self.vocab, self.device, greedy)
+
+    def chain(self, last: torch.Tensor, controller, block: int, proc, greedy: bool, generator):
+        """The round's draft from one block forward after ``last`` [B]: (tokens, q's) as ``draft_tokens`` gives."""
+        logits = _block(self.head, self.cache, last)[..., : self.vocab]
+        later = iter(range(2, block + 1))
+
+        def step(token: torch.Tensor) -> torch.Tensor:  # already computed: no forward
+            return logits[:, next(later)]
+
+        return draft_tokens(logits[:, 1], step, controller, block, proc, greedy, generator)
 
 
 def drafter(draft: DFlashDraft, batch: int, vocab: int, input_ids: torch.Tensor, prompt_mask: torch.Tensor):
@@ -487,13 +517,15 @@ def build(
     num_layers: int = 1,
     block_size: int = 6,
     mask_token_id: int = 0,
+    make: Callable[[LlamaConfig, nn.Module, nn.Module], DFlashDraft] | None = None,
 ) -> DFlashDraft:
     """A fresh draft for ``target`` in float32 on its device: the target's embedding and output layer (shared,
-    frozen), ``fc`` and the layers at Llama's initialisation."""
+    frozen), ``fc`` and the layers at Llama's initialisation. ``make(config, embed, head)`` builds the module (a
+    draft class with heads of its own; default :class:`DFlashDraft`)."""
     eagle3.check_hidden_states(target)
     config = draft_config(target, layer_ids, num_layers, block_size, mask_token_id)
     embed, head = _shared(target)
-    draft = DFlashDraft(config, embed, head)
+    draft = (make or DFlashDraft)(config, embed, head)
     std = getattr(text_config(target), "initializer_range", 0.02)
     for module in draft.modules():
         if isinstance(module, nn.Linear):
@@ -631,7 +663,9 @@ def folder_block(path: str | Path) -> int | None:
     return int(raw.get("block_size") or MAX_BLOCK + 1) - 1
 
 
-def fitted_config(raw: dict, directory: str | Path, target_config, target_name: str) -> LlamaConfig:
+def fitted_config(
+    raw: dict, directory: str | Path, target_config, target_name: str, what: str = "DFlash draft"
+) -> LlamaConfig:
     """The draft's config (config.json as saved), checked against the target's config.
 
     Raises:
@@ -644,14 +678,14 @@ def fitted_config(raw: dict, directory: str | Path, target_config, target_name: 
     fit = (int(config.vocab_size), int(config.target_hidden_size), int(config.hidden_size))
     if fit != (int(tc.vocab_size), int(tc.hidden_size), int(tc.hidden_size)):
         raise ValueError(
-            f"DFlash draft {str(directory)!r} was trained for a target with vocabulary {config.vocab_size} and "
+            f"{what} {str(directory)!r} was trained for a target with vocabulary {config.vocab_size} and "
             f"hidden size {config.target_hidden_size}, not {target_name!r} ({tc.vocab_size}, {tc.hidden_size}): "
             "pass the target it was trained on"
         )
     try:
         check_layer_ids(config.dflash_config.get("target_layer_ids") or [], int(tc.num_hidden_layers))
     except ValueError as err:
-        raise ValueError(f"DFlash draft {str(directory)!r} and target {target_name!r}: {err}") from None
+        raise ValueError(f"{what} {str(directory)!r} and target {target_name!r}: {err}") from None
     check_block_size(int(config.block_size) - 1)
     return config
 

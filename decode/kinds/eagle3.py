@@ -4,7 +4,8 @@ At position i the head reads the target's hidden states h_i at three layers (fus
 and the embedding of the next token x_{i+1}, and predicts x_{i+2}. Its one decoder layer attends over
 [norm(embedding); norm(features)] (twice the hidden width); its output head scores a *draft vocabulary* of the
 tokens the target writes most often (``d2t`` maps draft ids to target ids). To draft further ahead it feeds back
-its own pre-norm output in place of the target's features (EAGLE's "training-time test" trains exactly that).
+its own output in place of the target's features (EAGLE's "training-time test" trains exactly that): the
+pre-norm one, or with ``norm_output`` the post-norm one.
 
 The layout is the one vLLM (``method: eagle3``, ``LlamaForCausalLMEagle3``) and SGLang (``EAGLE3``) load:
 tensors ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` and no embedding (the engines and
@@ -115,9 +116,12 @@ class Eagle3Layer(nn.Module):
 class Eagle3Head(nn.Module):
     """fc -> one layer -> norm -> lm_head over the draft vocabulary; ``embed_tokens`` is the target's (frozen).
 
-    Two variants other trainers write (config keys as vLLM reads them): ``norm_before_fc`` (an ``input_norm``
-    RMSNorm over the 3 fused features before ``fc``) and ``norm_before_residual`` (the layer's residual stream starts
-    from ``hidden_norm`` of its input instead of the input). draftsmith builds heads with both off.
+    The variants other trainers write (config keys as vLLM's llama_eagle3 and speculators read them), in any
+    combination: ``norm_before_fc`` (an ``input_norm`` RMSNorm over the 3 fused features before ``fc``), ``fc_norm``
+    (one RMSNorm per fused target layer, ``fc_norm.0/1/2``, after ``input_norm`` when both are on),
+    ``norm_before_residual`` (the layer's residual stream starts from ``hidden_norm`` of its input instead of the
+    input) and ``norm_output`` (the post-norm output is fed back to draft the next token, not the pre-norm one).
+    draftsmith builds heads with all off; a loaded head keeps its own.
 
     Buffers: ``draft_ids`` [Vd] target id of each draft id; ``d2t`` = draft_ids - arange (the served offsets).
     """
@@ -131,6 +135,9 @@ class Eagle3Head(nn.Module):
         self.fc = nn.Linear(3 * config.target_hidden_size, hidden, bias=False)
         if getattr(config, "norm_before_fc", False):  # one RMSNorm over the fused features before fc (vLLM's name)
             self.input_norm = LlamaRMSNorm(3 * config.target_hidden_size, eps=config.rms_norm_eps)
+        if getattr(config, "fc_norm", False):  # one RMSNorm per fused target layer before fc (vLLM's names)
+            norms = [LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps) for _ in range(3)]
+            self.fc_norm = nn.ModuleList(norms)
         self.midlayer = Eagle3Layer(config)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, len(draft_ids), bias=False)
@@ -172,6 +179,11 @@ class Eagle3Head(nn.Module):
         return list(self.config.eagle_aux_hidden_state_layer_ids)
 
     @property
+    def norm_output(self) -> bool:
+        """True when the head feeds its post-norm output back (``norm_output``), False for the pre-norm one."""
+        return bool(getattr(self.config, "norm_output", False))
+
+    @property
     def vocab(self) -> int:
         """The target's vocabulary width (the logits width of :meth:`full_logits`)."""
         return int(self.config.vocab_size)
@@ -182,11 +194,20 @@ class Eagle3Head(nn.Module):
         return out.index_copy_(-1, self.draft_ids.to(out.device), draft_logits)
 
     # ---- one pass of the layer
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """[B, S, 3 * H_target] target features -> [B, S, H]: the variant's norms (``input_norm`` over all three,
+        then ``fc_norm`` per target layer, vLLM's order), then ``fc``."""
+        x = features.to(self.fc.weight.dtype)
+        if hasattr(self, "input_norm"):
+            x = self.input_norm(x)
+        if hasattr(self, "fc_norm"):
+            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, x.chunk(len(self.fc_norm), -1))], -1)
+        return self.fc(x)
+
     def _layer_in(self, ids: torch.Tensor, hidden: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention input [B, S, 2H], residual [B, S, H]) from token ids and features (or own hidden states)."""
         if fused:
-            hidden = hidden.to(self.fc.weight.dtype)
-            hidden = self.fc(self.input_norm(hidden) if hasattr(self, "input_norm") else hidden)
+            hidden = self.fuse(hidden)
         layer = self.midlayer
         embeds = layer.input_layernorm(self.embed_tokens(ids).to(hidden.dtype))
         normed = layer.hidden_norm(hidden)
@@ -200,9 +221,11 @@ class Eagle3Head(nn.Module):
         return residual + layer.mlp(layer.post_attention_layernorm(residual))
 
     def _layer_out(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(draft logits [B, S, Vd], pre-norm hidden [B, S, H]) after attention."""
+        """(draft logits [B, S, Vd], the hidden state fed back [B, S, H]: pre-norm, or post-norm with
+        ``norm_output``) after attention."""
         prenorm = self._prenorm(attn, residual)
-        return self.lm_head(self.norm(prenorm)), prenorm
+        normed = self.norm(prenorm)
+        return self.lm_head(normed), normed if self.norm_output else prenorm
 
     def forward(
         self,
@@ -214,11 +237,12 @@ class Eagle3Head(nn.Module):
         *,
         fused: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append q positions to ``cache`` and return (draft logits [B, q, Vd], pre-norm hidden [B, q, H]).
+        """Append q positions to ``cache`` and return (draft logits [B, q, Vd], fed-back hidden [B, q, H]: the
+        pre-norm output, or the post-norm one with ``norm_output``).
 
         Args:
             ids: [B, q] the token after each feature's position; hidden: [B, q, 3 * H_target] target features
-                (``fused=True``) or [B, q, H] the head's own pre-norm output (``fused=False``).
+                (``fused=True``) or [B, q, H] the head's own fed-back output (``fused=False``).
             valid: [B, q] bool, False on holes (left of real entries); None = all real.
         """
         x, residual = self._layer_in(ids, hidden, fused)
@@ -241,12 +265,12 @@ class Eagle3Head(nn.Module):
         each attends to every cache entry and to the tree entries ``tree_mask`` allows.
 
         Args:
-            ids: [1, m] each node's token; hidden: [1, m, H] its parent's pre-norm output.
+            ids: [1, m] each node's token; hidden: [1, m, H] its parent's fed-back output.
             tree_kv: keys and values [1, kv_heads, t, d] of the t tree nodes fed before (None: none yet).
             tree_mask: [m, t + m] bool, True where node i may attend to tree entry j (its ancestors and itself).
 
         Returns:
-            (draft logits [1, m, Vd], pre-norm hidden [1, m, H], tree keys and values with these m appended).
+            (draft logits [1, m, Vd], fed-back hidden [1, m, H], tree keys and values with these m appended).
         """
         x, residual = self._layer_in(ids, hidden, fused=False)
         attn_mod = self.midlayer.self_attn
@@ -259,8 +283,8 @@ class Eagle3Head(nn.Module):
         keys = k if cache.keys is None else torch.cat([cache.keys, k], 2)
         values = v if cache.values is None else torch.cat([cache.values, v], 2)
         attn = F.scaled_dot_product_attention(q, attn_mod.expand(keys), attn_mod.expand(values), attn_mask=mask)
-        logits, prenorm = self._layer_out(attn, residual)
-        return logits, prenorm, (k, v)
+        logits, fed = self._layer_out(attn, residual)
+        return logits, fed, (k, v)
 
     def unrolled(
         self,
@@ -313,7 +337,10 @@ class Eagle3Head(nn.Module):
             elif k > 0:
                 diag_k.append(key)
                 diag_v.append(value)
-            out.append(self.lm_head(self.norm(hidden)))
+            normed = self.norm(hidden)
+            out.append(self.lm_head(normed))
+            if self.norm_output:  # the next step reads what decoding feeds back
+                hidden = normed
             fused = False
         return out
 
@@ -818,7 +845,11 @@ def load(directory: str | Path, target: nn.Module) -> Eagle3Head:
     offsets = torch.zeros(config.draft_vocab_size, dtype=torch.long) if d2t is None else d2t
     draft_ids = (offsets + torch.arange(config.draft_vocab_size)).tolist()
     head = Eagle3Head(config, target.get_input_embeddings(), draft_ids)
-    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    try:
+        missing, unexpected = head.load_state_dict(tensors, strict=False)
+    except RuntimeError as err:  # a tensor of another shape than its config.json says: torch's lines, as one
+        detail = " ".join(line.strip() for line in str(err).splitlines()[1:3])
+        raise ValueError(f"{directory}: tensors do not fit its config.json ({detail}); re-export the head") from None
     missing = [m for m in missing if not m.startswith("embed_tokens.")]
     if missing or unexpected:
         raise ValueError(f"{directory}: not an EAGLE-3 head (missing {missing}, unexpected {unexpected})")
@@ -837,7 +868,7 @@ class Drafter:
 
     After each verify pass the head is owed one pair per newly accepted target position: the target's features
     at that position and the token after it (the last one's is the round's correction or bonus token). It reads
-    them in one forward, whose last output proposes d_1; d_2.. come from its own pre-norm output, and those chain
+    them in one forward, whose last output proposes d_1; d_2.. come from its own fed-back output, and those chain
     entries are cropped again after the round (the next round replaces them by the target's features).
     """
 
@@ -869,8 +900,8 @@ class Drafter:
         if gamma_cap > 0 and self.pending is not None:
             ids, features, valid = self.pending
             self.pending = None
-            logits, prenorm = self._feed(ids, features, valid, fused=True)
-            last = {"hidden": prenorm[:, -1:], "chain": 0}
+            logits, fed = self._feed(ids, features, valid, fused=True)
+            last = {"hidden": fed[:, -1:], "chain": 0}
 
             def step(token: torch.Tensor) -> torch.Tensor:
                 out, last["hidden"] = self._feed(token[:, None], last["hidden"], None, fused=False)

@@ -15,10 +15,12 @@ Four layouts hold the same one-layer head (``fc``, one Llama decoder layer over 
                  ``eagle_config`` counted as SGLang does (the output of layer j = vLLM's id j + 1)
 
 :func:`read` turns any of them into (config dict for ``LlamaConfig``, native state dict) or raises ValueError with
-one line naming what does not fit. Variants the native head runs: ``norm_before_fc`` (``input_norm``) and
-``norm_before_residual``. Refused, each by name: ``fc_norm`` (one norm per fused layer), ``norm_output``
-(speculators and vLLM: feed the post-norm output back; SpecForge uses the same key for "norm before lm_head", so
-a flat config that sets it is ambiguous), several decoder layers, biases, a non-Llama layer (Qwen3's q/k norms).
+one line naming what does not fit (a missing or malformed key: the key, the format and the file). The native head
+computes every variant vLLM's EAGLE-3 reader serves, in any combination (:data:`VARIANTS`; weights ``input_norm``,
+``fc_norm.{0,1,2}``). A key left out means what vLLM reads it as: all False, except a speculators ``eagle3`` head's
+``norm_before_residual`` (True, as vLLM's speculators reader defaults it). Refused, each by name: ``norm_output`` in
+a flat SafeAILab / SpecForge config (SpecForge uses the same key for "norm before lm_head", so it is ambiguous
+there), several decoder layers, biases, a non-Llama layer (Qwen3's q/k norms).
 
 :func:`speculators_fields` are the keys written beside the native ones so that ``vllm serve HEAD`` (no speculative
 flags) serves the head with its verifier: vLLM reads ``speculators_config`` for the target and the number of
@@ -40,12 +42,17 @@ PROVENANCE = (
     "speculators_model_type", "speculators_config", "speculators_version", "transformer_layer_config", "auto_map",
     "_name_or_path",
 )  # fmt: skip
-# Variants the native head does not run: key -> what it means (read in speculators' and SpecForge's eagle3 code).
-REFUSED = {
-    "fc_norm": "one RMSNorm per fused target layer before fc",
-    "norm_output": "the post-norm output fed back to the next step (speculators / vLLM; SpecForge's flat config "
-    "uses the same key for the norm before lm_head)",
+# The head's variants (config key -> what it computes), as vLLM's llama_eagle3 and speculators' Eagle3 read them.
+VARIANTS = {
+    "norm_before_fc": "one RMSNorm (input_norm) over the 3 fused target features before fc",
+    "fc_norm": "one RMSNorm per fused target layer (fc_norm.0/1/2) before fc",
+    "norm_before_residual": "the layer's residual stream starts from hidden_norm of its input",
+    "norm_output": "the post-norm output, not the pre-norm one, fed back to draft the next token",
 }
+# A flat config's norm_output: SpecForge's key for the norm before lm_head, not the feedback vLLM means by it.
+AMBIGUOUS = {"norm_output": "SpecForge's flat config uses the same key for the norm before lm_head"}
+# Keys of the decoder layer's config without which LlamaConfig would take a default and mis-shape the head.
+LAYER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
 # Tensors of the target or of training only: never part of the served head.
 NOT_HEAD = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")
 
@@ -133,11 +140,22 @@ def check(directory: str | Path) -> str:
     """The format of the head in ``directory`` after the checks :func:`read` makes on its config (one-line
     ValueError otherwise), reading no tensor data: what a run checks before it writes anything."""
     directory = Path(directory)
-    config = json.loads((directory / "config.json").read_text())
+    config = read_config(directory)
     fmt = detect(config, dict.fromkeys(tensor_names(directory)))
-    converted = _from_speculators(config, {})[0] if fmt == "speculators" else _from_flat(config, fmt)
-    _check_variants(converted, fmt)
+    _native_config(config, fmt, directory / "config.json")
     return fmt
+
+
+def read_config(directory: Path) -> dict:
+    """The head's config.json as a dict, or ValueError (one line) naming the file."""
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"EAGLE-3 head {str(path)!r} is not valid JSON ({err}): re-export the head") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"EAGLE-3 head {str(path)!r} holds a {type(config).__name__}, not a JSON object of keys")
+    return config
 
 
 def detect(config: dict, tensors: dict) -> str:
@@ -167,39 +185,105 @@ def read(directory: str | Path, num_target_layers: int) -> tuple[dict, dict[str,
     """(config dict for ``LlamaConfig``, state dict in the native layout, format name) of the head in
     ``directory``; the config carries ``draft_vocab_size``, ``target_hidden_size`` and vLLM's aux layer ids."""
     directory = Path(directory)
-    config = json.loads((directory / "config.json").read_text())
+    config = read_config(directory)
     tensors = load_tensors(directory)
     fmt = detect(config, tensors)
-    if fmt == "speculators":
-        config, tensors = _from_speculators(config, tensors)
-    else:
-        config = _from_flat(config, fmt)
+    config = _native_config(config, fmt, directory / "config.json")
+    if fmt == "speculators":  # layers.0.* -> midlayer.*
+        prefix = "layers.0."
+        tensors = {("midlayer." + k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in tensors.items()}
     if fmt != "native":  # no ids: the layers vLLM, speculators and SafeAILab's code read by default
         config.setdefault("eagle_aux_hidden_state_layer_ids", default_aux_layers(num_target_layers))
     unused = NOT_HEAD if config.get("norm_before_fc") else (*NOT_HEAD, "input_norm.")  # vLLM skips it likewise
     tensors = {k: v for k, v in tensors.items() if not k.startswith(unused)}
-    for key in PROVENANCE:
-        config.pop(key, None)
-    _check_variants(config, fmt)
     return config, tensors, fmt
 
 
-def _from_flat(config: dict, fmt: str) -> dict:
+def _native_config(config: dict, fmt: str, path: Path) -> dict:
+    """The native config of a head of format ``fmt`` read from ``path`` (its config.json), checked: one-line
+    ValueError naming the key, the format and the file for what is missing, malformed or not computed."""
+    block = config.get("speculators_model_type") == "peagle" or config.get("mask_token_id") is not None
+    where = f"{fmt} {'P-EAGLE' if block else 'EAGLE-3'} head {str(path)!r}"
+    converted = _from_speculators(config, where) if fmt == "speculators" else _from_flat(config, fmt, where)
+    for key in PROVENANCE:
+        converted.pop(key, None)
+    for key in ("draft_vocab_size", "target_hidden_size"):
+        _int(converted, key, where, "the head's widths", low=1)
+    aux = converted.get("eagle_aux_hidden_state_layer_ids")
+    if aux is not None and (not isinstance(aux, list) or not all(type(a) is int for a in aux)):
+        raise _wrong(where, "eagle_aux_hidden_state_layer_ids", aux, "a list of target layer ids")
+    _check_variants(converted, fmt, where)
+    return converted
+
+
+def _lacks(where: str, key: str, what: str) -> ValueError:
+    return ValueError(f"{where} lacks {key}: {what}; re-export the head with it")
+
+
+def _wrong(where: str, key: str, value: object, what: str) -> ValueError:
+    return ValueError(f"{where}: {key} is {value!r}, not {what}; re-export the head")
+
+
+def _int(config: dict, key: str, where: str, what: str, low: int = 0, prefix: str = "") -> int:
+    """``config[key]`` as an int >= ``low``, or ValueError naming ``prefix + key``."""
+    if config.get(key) is None:
+        raise _lacks(where, prefix + key, what)
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _wrong(where, prefix + key, value, f"an integer >= {low} ({what})")
+    return value
+
+
+def _flag(config: dict, key: str, default: bool, where: str) -> bool:
+    """A variant's switch: true / false (or absent: ``default``), else ValueError naming it."""
+    value = config.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _wrong(where, key, value, "true or false")
+    return value
+
+
+def _layer_keys(layer: dict, where: str, prefix: str = "") -> None:
+    """The decoder layer's shape keys, each a positive integer (LlamaConfig's defaults would mis-shape the head)."""
+    for key in LAYER_KEYS:
+        _int(layer, key, where, "the draft layer's shape", low=1, prefix=prefix)
+
+
+def _block(config: dict, out: dict, where: str, block: object) -> None:
+    """A P-EAGLE head's ``mask_token_id`` and ``block_size`` (``block``: where the format keeps it) into ``out``."""
+    out["mask_token_id"] = _int(config, "mask_token_id", where, "the token its drafted positions read")
+    out["block_size"] = _int({"block_size": block}, "block_size", where, "the tokens it drafts per forward", low=1)
+
+
+def _from_flat(config: dict, fmt: str, where: str) -> dict:
     """The native config of a flat-layout head (native, SafeAILab or SpecForge)."""
     config = dict(config)
+    _layer_keys(config, where)
     config.setdefault("target_hidden_size", config["hidden_size"])
     if config.get("draft_vocab_size") is None:
         config["draft_vocab_size"] = config["vocab_size"]
+    eagle_config = config.get("eagle_config") or {}
+    if not isinstance(eagle_config, dict):
+        raise _wrong(where, "eagle_config", eagle_config, "an object of keys")
     if fmt != "native":
-        sglang_ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        sglang_ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
         if sglang_ids and "eagle_aux_hidden_state_layer_ids" not in config:
+            if not isinstance(sglang_ids, list) or not all(isinstance(i, int) for i in sglang_ids):
+                raise _wrong(where, "eagle_config.eagle_aux_hidden_state_layer_ids", sglang_ids, "a list of ids")
             config["eagle_aux_hidden_state_layer_ids"] = [int(i) + 1 for i in sglang_ids]
-        config.setdefault("norm_before_residual", False)  # the layer SGLang and SafeAILab's code run
+    if "norm_before_fc" in eagle_config:  # vLLM reads it there first
+        config["norm_before_fc"] = _flag(eagle_config, "norm_before_fc", False, where)
+    for key in VARIANTS:
+        config[key] = _flag(config, key, False, where)
+    if config.get("mask_token_id") is not None:
+        _block(config, config, where, config.get("block_size"))
     return config
 
 
-def _from_speculators(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The native config and tensors of a speculators-format head (``layers.0.*`` -> ``midlayer.*``)."""
+def _from_speculators(config: dict, where: str) -> dict:
+    """The native config of a speculators-format head: the layer's keys from ``transformer_layer_config``, the
+    head's own and its variants (defaults as vLLM's speculators reader takes them) from the top level."""
     kind = config.get("speculators_model_type")
     if kind not in ("eagle3", "peagle"):
         raise ValueError(
@@ -211,34 +295,38 @@ def _from_speculators(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[d
             f"transformer_layer_config.model_type {layer.get('model_type')!r}: draftsmith's EAGLE-3 head is a Llama "
             "layer (a Qwen3 layer adds q/k norms it does not have)"
         )
+    _layer_keys(layer, where, prefix="transformer_layer_config.")
     out = {k: v for k, v in layer.items() if k not in ("architectures", "model_type")}
     out["draft_vocab_size"] = config.get("draft_vocab_size") or layer["vocab_size"]
     out["target_hidden_size"] = config.get("target_hidden_size") or layer["hidden_size"]
-    out["eagle_aux_hidden_state_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids")
-    # Missing means what vLLM serves: its speculators reader defaults norm_before_residual to True.
-    out["norm_before_residual"] = bool(config.get("norm_before_residual", True))
-    for key in ("norm_before_fc", *REFUSED):
-        out[key] = bool(config.get(key, False))
-    if kind == "peagle":  # vLLM's reader defaults norm_before_residual to False for this type
-        out["norm_before_residual"] = bool(config.get("norm_before_residual", False))
-        out["mask_token_id"] = int(config["mask_token_id"])
-        block = config.get("block_size") or config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-        out["block_size"] = int(block)
-    if out["eagle_aux_hidden_state_layer_ids"] is None:
-        out.pop("eagle_aux_hidden_state_layer_ids")
-    prefix = "layers.0."
-    renamed = {("midlayer." + k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in tensors.items()}
-    return out, renamed
+    if config.get("eagle_aux_hidden_state_layer_ids") is not None:
+        out["eagle_aux_hidden_state_layer_ids"] = config["eagle_aux_hidden_state_layer_ids"]
+    # vLLM's reader defaults norm_before_residual to True for eagle3 and to False for peagle; the rest to False.
+    for key in VARIANTS:
+        out[key] = _flag(config, key, key == "norm_before_residual" and kind == "eagle3", where)
+    if kind == "peagle":
+        block = config.get("block_size")
+        if block is None:  # the speculative tokens its proposal method names
+            spec = config.get("speculators_config")
+            methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
+            if not isinstance(methods, list) or not methods or not isinstance(methods[0], dict):
+                raise _lacks(where, "block_size", "no block_size and no speculators_config.proposal_methods[0]")
+            block = methods[0].get("speculative_tokens")
+            if block is None:
+                raise _lacks(where, "block_size", "no block_size and no speculative_tokens in its proposal method")
+        _block(config, out, where, block)
+    return out
 
 
-def _check_variants(config: dict, fmt: str) -> None:
-    """ValueError (one line, naming the field) for what the native head does not compute."""
-    for key, meaning in REFUSED.items():
-        if config.get(key):
-            raise ValueError(
-                f"{fmt} EAGLE-3 head sets {key}: true ({meaning}); draftsmith's head does not compute that variant"
-            )
-        config.pop(key, None)
+def _check_variants(config: dict, fmt: str, where: str) -> None:
+    """ValueError (one line, naming the field) for what the native head does not compute; a variant left off is
+    dropped from the config (what vLLM reads as off)."""
+    if fmt in ("eagle", "specforge"):
+        for key, meaning in AMBIGUOUS.items():
+            if config.get(key):
+                raise ValueError(
+                    f"{where} sets {key}: true ({meaning}); draftsmith cannot tell which computation it means"
+                )
     if int(config.get("num_hidden_layers", 1)) != 1:
         raise ValueError(f"num_hidden_layers: {config['num_hidden_layers']}: draftsmith's EAGLE-3 head has one layer")
     for key in ("attention_bias", "mlp_bias"):
@@ -246,5 +334,6 @@ def _check_variants(config: dict, fmt: str) -> None:
             raise ValueError(f"{key}: true: draftsmith's EAGLE-3 head has no biases")
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r}: draftsmith's EAGLE-3 head runs a SiLU MLP")
-    if not config.get("norm_before_fc"):
-        config.pop("norm_before_fc", None)
+    for key in VARIANTS:
+        if key != "norm_before_residual" and not config.get(key):
+            config.pop(key, None)

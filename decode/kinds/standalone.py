@@ -46,7 +46,8 @@ def draft_tokens(
     first_logits: torch.Tensor, step, controller, gamma_cap: int, proc, greedy: bool, generator
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The chain every kind drafts: pick a token from ``first_logits`` [B, V], then ``step(token)`` gives the next
-    logits, until ``gamma_cap`` tokens or the draft-length controller stops. Returns (tokens, q's when sampling).
+    logits, until ``gamma_cap`` tokens, the draft-length controller stops or ``step`` gives None (the draft's own
+    cut). Returns (tokens, q's when sampling).
     """
     tokens: list[torch.Tensor] = []
     qs: list[torch.Tensor] = []
@@ -64,6 +65,8 @@ def draft_tokens(
         if not more or len(tokens) == gamma_cap:
             return tokens, qs
         logits = step(token)
+        if logits is None:
+            return tokens, qs
 
 
 def stack(tokens: list[torch.Tensor], qs: list[torch.Tensor], batch: int, vocab: int, device, greedy: bool):

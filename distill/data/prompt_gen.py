@@ -290,14 +290,14 @@ def write_eval_file(rows: list[dict], path: Path) -> None:
     write_jsonl(rows, path)
 
 
-def _content(row: dict) -> str:
-    return json.dumps(row.get("messages") or row.get("prompt"), sort_keys=True, ensure_ascii=False)
+def _content(row: dict, prompt_field: str) -> str:
+    return json.dumps(row.get("messages") or row.get(prompt_field), sort_keys=True, ensure_ascii=False)
 
 
-def without_overlap(train: list[dict], evals: list[dict]) -> list[dict]:
-    """`train` minus every row whose content equals an eval row's."""
-    held = {_content(r) for r in evals}
-    return [r for r in train if _content(r) not in held]
+def without_overlap(train: list[dict], evals: list[dict], prompt_field: str = "prompt") -> list[dict]:
+    """`train` minus every row whose content (its messages, else its `prompt_field` text) equals an eval row's."""
+    held = {_content(r, prompt_field) for r in evals}
+    return [r for r in train if _content(r, prompt_field) not in held]
 
 
 def load_train_eval(
@@ -339,6 +339,6 @@ def load_train_eval(
             train = train[: cfg.max_train_prompts]
     # a conversation is split into train/eval whole, then into one prompt per assistant turn
     train, evals = expand_turns(train), expand_turns(evals)
-    train = without_overlap(train, evals)
+    train = without_overlap(train, evals, cfg.prompt_field)
     check_chat_rows(train + evals, tokenizer, cfg)
     return train, evals

@@ -15,8 +15,9 @@ in :data:`KINDS`. train/distill.py names no kind: it calls the functions of :cla
     kind.served(model)                           eval and save: the model as its engines serve it
     kind.save_checkpoint(draft, folder, ...)     a checkpoint's draft files, in the format its engines read
 
-and reads three facts: ``LOADS_DRAFT_MODEL`` (draft.model is a model to load), ``HF_ASSISTED`` (HF assisted
-generation can run it), ``GENERATES_ROLLOUTS`` (it can speed up the target's rollouts as a speculative draft).
+and reads four facts: ``LOADS_DRAFT_MODEL`` (draft.model is a model to load), ``HF_ASSISTED`` (HF assisted
+generation can run it), ``GENERATES_ROLLOUTS`` (it can speed up the target's rollouts as a speculative draft),
+``FOLDER_KINDS`` (the kinds of saved draft folder draft.model may hold: :func:`folder_kind`).
 The accept/reject rule, the bench, best/ selection, W&B, resume and publish are the same for every kind.
 docs/draft-kinds.md has the table of what each kind does.
 
@@ -25,15 +26,19 @@ docs/draft-kinds.md has the table of what each kind does.
     peagle       an EAGLE-3 head that drafts a whole block in one forward (distill.kinds.peagle)
     pard         a standalone draft LM that drafts a whole block in one forward from mask tokens (distill.kinds.pard)
     dflash       a few layers filling a whole block from the target's hidden states in one pass (distill.kinds.dflash)
+    dspark       a DFlash block plus a Markov bias chained through it, a confidence cut (distill.kinds.dspark)
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from distill.config import Recipe
-from distill.kinds import dflash, eagle3, pard, peagle, standalone
+from distill.kinds import dflash, dspark, eagle3, pard, peagle, standalone
 from distill.kinds.interface import Kind, StepLoss
 
-__all__ = ["KINDS", "Kind", "StepLoss", "engine_limits", "get"]
+__all__ = ["KINDS", "Kind", "StepLoss", "engine_limits", "folder_kind", "get"]
 
 # the registry: draft.kind -> its module (a new kind: its module, and one line here)
 KINDS: dict[str, Kind] = {
@@ -42,6 +47,7 @@ KINDS: dict[str, Kind] = {
     peagle.NAME: peagle,
     pard.NAME: pard,
     dflash.NAME: dflash,
+    dspark.NAME: dspark,
 }
 
 
@@ -63,3 +69,23 @@ def engine_limits(recipe: Recipe, kind: Kind) -> str | None:
         return None
     recipe.eval.hf_assisted = False
     return f"note: eval.hf_assisted=false: HF assisted generation cannot run {kind.DESCRIPTION}"
+
+
+def folder_kind(path: str) -> str | None:
+    """The kind of draft a local folder holds: the ``draftsmith.draft_kind`` its config.json records (draftsmith
+    writes it with every draft it builds from the target), else the kind its layout marks (an EAGLE-3, P-EAGLE or
+    DFlash config, a PARD draft's ``pard_token``: ``decode.vllm_engine.draft_kind``). None for a plain causal LM,
+    which any kind that loads a draft LM reads, and for what is not a local folder (a hub id, a GGUF file)."""
+    from decode.kinds import KINDS as SAVED_KINDS
+    from decode.vllm_engine import draft_kind
+
+    try:
+        raw = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    recorded = raw.get("draftsmith")
+    recorded = recorded.get("draft_kind") if isinstance(recorded, dict) else None
+    found = recorded if recorded in SAVED_KINDS else draft_kind(str(Path(path).expanduser()))
+    return None if found == standalone.NAME else found

@@ -26,7 +26,7 @@ from decode.kinds import eagle3
 from distill import models
 from distill.config import DistillConfig, Recipe
 from distill.kinds.eagle3 import cache_teacher, decoding_vocab, load_draft  # the same as an EAGLE-3 head's
-from distill.kinds.interface import StepLoss
+from distill.kinds.interface import StepLoss, check_mask_token_id, config_vocab
 from distill.kinds.peagle import mask_token_id
 from distill.training import eagle3_train, losses
 from distill.training.teacher_cache import sequence_key
@@ -36,6 +36,7 @@ DESCRIPTION = "a DFlash draft"
 LOADS_DRAFT_MODEL = False
 HF_ASSISTED = False
 GENERATES_ROLLOUTS = False
+FOLDER_KINDS = (NAME,)  # a DFlash draft to continue
 
 __all__ = [
     "Blocks",
@@ -92,20 +93,66 @@ def planned_layer_ids(recipe: Recipe, num_layers: int) -> list[int]:
 
 
 def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:
-    """draft.model, when given, must be a DFlash folder (to continue); the target must give per-layer hidden
-    states, and have the layers draft.aux_layers names.
+    """draft.model, when given, must be a DFlash folder (to continue) made for this target, of draft.block_size
+    and draft.mask_token_id (:func:`check_folder_keeps`); the target must give per-layer hidden states and have the
+    layers draft.aux_layers names; draft.mask_token_id, when set, must be an id of its vocabulary.
 
     Raises:
         ValueError: one line naming the recipe key and the fix.
     """
-    if recipe.draft.model and not decoding.is_dflash_folder(recipe.draft.model):
+    folder = recipe.draft.model
+    if folder and not decoding.is_dflash_folder(folder):
         raise ValueError(
-            f"draft.model {recipe.draft.model!r} is not a DFlash draft folder (config.json with architectures "
+            f"draft.model {folder!r} is not a DFlash draft folder (config.json with architectures "
             f"[{decoding.ARCHITECTURE}] and dflash_config): leave draft.model empty to build the draft from the target"
         )
+    if folder:
+        check_folder_keeps(folder, recipe.draft.block_size, recipe.draft.mask_token_id)
+    check_target(recipe, target, target_config)
+    if target is not None:
+        if folder:
+            check_folder_fits(folder, target_config(), recipe.target.model)
+        check_mask_token_id(recipe.draft.mask_token_id, config_vocab(target_config()), "the target's")
+
+
+def check_folder_keeps(path: str, block_size: int, mask_token_id: int | None) -> None:
+    """A DFlash draft keeps the block and the mask token it was trained with (its served config), so
+    draft.block_size must be its block, and draft.mask_token_id, when set, its mask token."""
+    block = decoding.folder_block(path)
+    if block is not None and block != block_size:
+        raise ValueError(
+            f"draft.block_size={block_size}, and draft.model {path!r} is a DFlash draft of block {block}, which it "
+            f"keeps: set draft.block_size={block} to continue it, or leave draft.model empty to build a draft of "
+            f"{block_size}"
+        )
+    own = (decoding.folder_config_dict(path) or {}).get("dflash_config", {}).get("mask_token_id")
+    if mask_token_id is not None and own is not None and int(own) != mask_token_id:
+        raise ValueError(
+            f"draft.mask_token_id={mask_token_id}, and draft.model {path!r} is a DFlash draft with mask token {own}, "
+            f"which it keeps: set draft.mask_token_id={own} (or null) to continue it, or leave draft.model empty to "
+            f"build a draft with mask token {mask_token_id}"
+        )
+
+
+def check_folder_fits(path: str, target_config: Any, target_name: str) -> None:
+    """draft.model, a DFlash folder, was made for this target: its config.json against the target's (vocabulary,
+    hidden size, target_layer_ids; :func:`decode.kinds.dflash.fitted_config`)."""
+    try:
+        decoding.fitted_config(decoding.folder_config_dict(path), path, target_config, target_name)
+    except ValueError as err:
+        raise ValueError(f"draft.model and target.model: {err}") from None
+
+
+def check_target(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:
+    """The target gives per-layer hidden states and has the layers draft.aux_layers names (any block draft over
+    the target's states: the message names recipe.draft.kind).
+
+    Raises:
+        ValueError: one line naming the recipe key and the fix.
+    """
     if target is not None:
         config = target_config()
-        models.check_hidden_states(config, recipe.target, "draft.kind=dflash")
+        models.check_hidden_states(config, recipe.target, f"draft.kind={recipe.draft.kind}")
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         layers = getattr(text, "num_hidden_layers", None)
         if isinstance(layers, int):
@@ -165,14 +212,25 @@ def recorded_layers(recipe: Recipe, target: nn.Module) -> list[int]:
 def pick_anchors(trainable: torch.Tensor, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """N anchors per row drawn at random without replacement among the ``trainable`` [B, S] positions:
     (anchors [B, N] long, chosen [B, N] bool; a row with fewer than N trainable positions fills the rest with
-    unchosen ones). ``seed`` makes the draw a function of the batch, so a resumed run draws the same anchors."""
+    unchosen ones). ``seed`` (:func:`anchor_seed`) makes a fresh draw for every micro-batch of a run."""
     score = torch.rand(trainable.shape, generator=torch.Generator().manual_seed(seed)).to(trainable.device)
     top = score.masked_fill(~trainable, -1.0).topk(min(n, trainable.shape[1]), dim=1)
     return top.indices, top.values >= 0
 
 
+def anchor_seed(seed: int, micro_batch: int, rank: int) -> int:
+    """The anchor draw's seed for one micro-batch: a function of train.seed, the micro-batch's place in the run
+    (accelerate's step counter, which its saved state carries, so a resumed run draws what the uninterrupted one
+    would) and the process. A seed taken from the batch's tokens would repeat the same draw every epoch."""
+    return (seed * 1_000_003 + micro_batch) * 1_009 + rank
+
+
 def block_loss(
-    model: nn.Module, side: eagle3_train.TargetSide, batch: dict[str, torch.Tensor], cfg: DistillConfig
+    model: nn.Module,
+    side: eagle3_train.TargetSide,
+    batch: dict[str, torch.Tensor],
+    cfg: DistillConfig,
+    seed: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted loss of one micro-batch given the target's side (features, log p over the whole vocabulary
     and the empty tail bucket): sum_k w^k loss_k / sum_k w^k over block positions k = 1..K, and per position
@@ -182,21 +240,43 @@ def block_loss(
     where both are real positions and the batch's loss_mask keeps row i + k. The anchors are every position, or
     with ``cfg.anchors`` N, N drawn per sequence among those whose first block position is trained.
     """
+    anchors, chosen = block_anchors(batch, cfg, seed)
+    logits = model(batch["input_ids"], side.features, batch["attention_mask"].bool(), anchors)  # [B, N, K + 1, V]
+    return logits_loss(logits, anchors, chosen, side, batch, cfg)
+
+
+def block_anchors(batch: dict[str, torch.Tensor], cfg: DistillConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_loss`'s anchors [B, N] and which of them are chosen [B, N] bool (``seed``: :func:`anchor_seed`)."""
     valid = batch["attention_mask"].bool()
-    loss_mask = batch["loss_mask"].bool()
     width = valid.shape[1]
     if cfg.anchors:
         trainable = decoding.block_mask(valid, 1) & eagle3.shift_left(batch["loss_mask"], 1).bool()
-        anchors, chosen = pick_anchors(trainable, cfg.anchors, seed=int(batch["input_ids"].sum()))
-    else:
-        anchors = torch.arange(width, device=valid.device).expand(valid.shape[0], width)
-        chosen = torch.ones_like(anchors, dtype=torch.bool)
-    logits = model(batch["input_ids"], side.features, valid, anchors)  # [B, N, K + 1, V]
+        return pick_anchors(trainable, cfg.anchors, seed)
+    anchors = torch.arange(width, device=valid.device).expand(valid.shape[0], width)
+    return anchors, torch.ones_like(anchors, dtype=torch.bool)
+
+
+def trained_positions(batch: dict[str, torch.Tensor], anchors: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, N] bool: the anchors whose block position k is trained (both positions real, loss_mask keeps i + k)."""
+    valid = batch["attention_mask"].bool()
+    trained = decoding.block_mask(valid, k) & eagle3.shift_left(batch["loss_mask"].long(), k).bool()
+    return trained.gather(1, anchors)
+
+
+def logits_loss(
+    logits: torch.Tensor,
+    anchors: torch.Tensor,
+    chosen: torch.Tensor,
+    side: eagle3_train.TargetSide,
+    batch: dict[str, torch.Tensor],
+    cfg: DistillConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`block_loss` of the blocks' logits [B, N, K + 1, V] at ``anchors`` (``chosen`` of them)."""
+    width = batch["attention_mask"].shape[1]
     log_p = side.log_p.flatten(0, 1)  # [B * S, V + 1]
     total, weights, stats = None, 0.0, {}
     for k in range(1, logits.shape[2]):
-        trained = decoding.block_mask(valid, k) & eagle3.shift_left(loss_mask.long(), k).bool()
-        mask = chosen & trained.gather(1, anchors)
+        mask = chosen & trained_positions(batch, anchors, k)
         if not bool(mask.any()):
             continue  # sequences too short for this position
         rows_b, rows_n = mask.nonzero(as_tuple=True)
@@ -231,13 +311,28 @@ def loss_step(
 ) -> Callable[[dict[str, torch.Tensor], list, bool], StepLoss]:
     """The step of one micro-batch: the target's side (its hidden states at the draft's layers and its
     distribution, from one forward or distill.cache_teacher), then every block of the batch in one pass."""
+    return block_step(accelerator, draft, target, recipe, teachers, block_loss)
+
+
+def block_step(
+    accelerator: Any,
+    draft: nn.Module,
+    target: nn.Module,
+    recipe: Recipe,
+    teachers: eagle3_train.TargetCache | None,
+    block_loss_of: Callable[..., tuple[torch.Tensor, dict[str, float]]],
+) -> Callable[[dict[str, torch.Tensor], list, bool], StepLoss]:
+    """:func:`loss_step` with the loss ``block_loss_of(model, side, batch, cfg, seed)`` (a block draft with heads
+    of its own; ``seed``: :func:`anchor_seed`)."""
 
     def step(batch: dict[str, torch.Tensor], pairs: list, on_policy: bool) -> StepLoss:
         inner = served(draft)
         keys = None if teachers is None else [sequence_key(*p) for p in pairs]
         side = eagle3_train.target_side(target, batch, inner, recipe.distill.temperature, teachers, keys)
-        loss, stats = block_loss(draft, side, batch, recipe.distill)
-        return StepLoss(loss, stats.get("train/acc_0", 0.0), side.computed, stats)
+        # called inside accelerator.accumulate, which has counted this micro-batch in accelerator.step
+        seed = anchor_seed(recipe.train.seed, accelerator.step, accelerator.process_index)
+        value, stats = block_loss_of(draft, side, batch, recipe.distill, seed)
+        return StepLoss(value, stats.get("train/acc_0", 0.0), side.computed, stats)
 
     return step
 

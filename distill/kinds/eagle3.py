@@ -32,6 +32,7 @@ DESCRIPTION = "an EAGLE-3 head"
 LOADS_DRAFT_MODEL = False
 HF_ASSISTED = False
 GENERATES_ROLLOUTS = False
+FOLDER_KINDS = (NAME,)  # an EAGLE-3 head to continue (a P-EAGLE head's block would be dropped: draft.kind=peagle)
 
 
 def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:

@@ -32,6 +32,7 @@ class Kind(Protocol):
     LOADS_DRAFT_MODEL: bool
     HF_ASSISTED: bool
     GENERATES_ROLLOUTS: bool
+    FOLDER_KINDS: tuple[str, ...]  # the kinds of saved draft folder it starts from (distill.kinds.folder_kind)
 
     def check_inputs(self, recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None: ...
 
@@ -73,3 +74,24 @@ class Kind(Protocol):
     def save_checkpoint(
         self, draft: nn.Module, folder: Path, tokenizer: Any, draft_vocab: tuple | None, recipe: Recipe, result: dict
     ) -> None: ...
+
+
+def config_vocab(config: Any) -> int | None:
+    """The output width a model config gives (its text config's ``vocab_size``), or None where it says none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None
+
+
+def check_mask_token_id(mask: int | None, vocab_size: int | None, whose: str) -> None:
+    """draft.mask_token_id, when set, is an id of the vocabulary of ``vocab_size`` tokens (``whose``: "the target's").
+
+    Raises:
+        ValueError: one line naming draft.mask_token_id, the vocabulary and the ids to choose from.
+    """
+    if mask is None or vocab_size is None or 0 <= mask < vocab_size:
+        return
+    raise ValueError(
+        f"draft.mask_token_id={mask} is outside {whose} vocabulary of {vocab_size} tokens: set an id in "
+        f"0..{vocab_size - 1} (or null to pick one)"
+    )

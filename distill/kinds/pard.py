@@ -10,6 +10,7 @@ position k at anchor i with the target's distribution at i + k, the position tha
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from decode import sources
 from decode.kinds import pard as decoding
 from distill import models
 from distill.config import Recipe
-from distill.kinds.interface import StepLoss
+from distill.kinds.interface import StepLoss, check_mask_token_id, config_vocab
 from distill.kinds.standalone import (  # the same as a standalone draft's
     build_draft,
-    check_not_a_head,
     generation_recorder,
     served,
 )
@@ -34,6 +35,7 @@ DESCRIPTION = "a PARD draft LM"
 LOADS_DRAFT_MODEL = True
 HF_ASSISTED = False  # HF assisted generation would run it as a chain: its mask positions unused
 GENERATES_ROLLOUTS = True
+FOLDER_KINDS = (NAME,)  # a PARD draft to continue; a plain causal LM is read as any draft LM
 
 __all__ = [
     "block_loss",
@@ -50,18 +52,37 @@ __all__ = [
 
 
 def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:
-    """draft.model must be a causal LM, not a head folder (the options a PARD step does not run are refused with
-    the recipe: distill.config)."""
-    if recipe.draft.model and recipe.draft.init != "truncate":
-        check_not_a_head(recipe.draft.model)
+    """draft.mask_token_id, when set, is an id of the draft's vocabulary (draft.init=truncate: the target's). A
+    folder saved as another kind is refused by distill.training.preflight (:data:`FOLDER_KINDS`), the options a
+    PARD step does not run with the recipe (distill.config).
+
+    Raises:
+        ValueError: one line naming draft.mask_token_id and the ids to choose from.
+    """
+    mask, draft = recipe.draft.mask_token_id, recipe.draft
+    if mask is None or target is None:
+        return  # nothing to check, or the quickstart pair is built later
+    if draft.init == "truncate" or not draft.model:
+        check_mask_token_id(mask, config_vocab(target_config()), "the target's")  # the draft is cut from it
+        return
+    kwargs = {"trust_remote_code": draft.trust_remote_code, **({"revision": draft.revision} if draft.revision else {})}
+    config = sources.load_config(draft.model, key="draft.model", **kwargs)
+    check_mask_token_id(mask, config_vocab(config), "the draft's")
 
 
 def load_draft(recipe: Recipe, device: torch.device) -> tuple[nn.Module, Any]:
     """draft.model loaded for training (as a standalone draft), marked a PARD draft of draft.block_size with its
     mask token (draft.mask_token_id, else the tokenizer's mask, pad or unk token, else the vocabulary's last id;
-    a draft already marked keeps its own unless the recipe names one)."""
+    a draft already marked keeps its own unless the recipe names one). A PARD draft trained for another block is
+    trained for draft.block_size from here on, and the run says so."""
     draft = models.load_draft(recipe.draft, device=device, gradient_checkpointing=recipe.train.gradient_checkpointing)
     tokenizer = models.load_tokenizer(recipe.draft.model, recipe.draft, key="draft.model")
+    had = getattr(draft.config, "block_size", None) if decoding.is_pard(draft) else None
+    if had is not None and int(had) != recipe.draft.block_size and int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"pard draft: {recipe.draft.model} was trained for a block of {had}; it is trained for "
+            f"draft.block_size={recipe.draft.block_size} from here on"
+        )
     vocab = int(draft.config.vocab_size)
     mask = recipe.draft.mask_token_id
     if mask is None:

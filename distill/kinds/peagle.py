@@ -10,7 +10,7 @@ inputs, as in decoding, and is compared with the target's distribution k + 1 tok
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +19,9 @@ from torch import nn
 from decode.kinds import peagle as decoding
 from distill import models
 from distill.config import Recipe
-from distill.kinds.eagle3 import build_draft as build_chain_draft
+from distill.kinds import eagle3 as chain
 from distill.kinds.eagle3 import (  # the same as an EAGLE-3 head's
     cache_teacher,
-    check_inputs,
     decoding_vocab,
     generation_recorder,
     load_draft,
@@ -30,6 +29,7 @@ from distill.kinds.eagle3 import (  # the same as an EAGLE-3 head's
     save_checkpoint,
     served,
 )
+from distill.kinds.interface import check_mask_token_id, config_vocab
 from distill.training import eagle3_train
 
 NAME = decoding.NAME
@@ -37,6 +37,7 @@ DESCRIPTION = "a P-EAGLE head"
 LOADS_DRAFT_MODEL = False
 HF_ASSISTED = False
 GENERATES_ROLLOUTS = False
+FOLDER_KINDS = (chain.NAME, NAME)  # an EAGLE-3 head gains a block, a P-EAGLE head is continued
 
 __all__ = [
     "build_draft",
@@ -50,6 +51,18 @@ __all__ = [
     "save_checkpoint",
     "served",
 ]
+
+
+def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:
+    """An EAGLE-3 head's checks (distill.kinds.eagle3.check_inputs), and draft.mask_token_id, when set, an id of
+    the target's vocabulary.
+
+    Raises:
+        ValueError: one line naming the recipe key and the fix.
+    """
+    chain.check_inputs(recipe, target, target_config)
+    if target is not None and recipe.draft.mask_token_id is not None:
+        check_mask_token_id(recipe.draft.mask_token_id, config_vocab(target_config()), "the target's")
 
 
 def mask_token_id(recipe: Recipe, vocab_size: int) -> int:
@@ -66,11 +79,7 @@ def mask_token_id(recipe: Recipe, vocab_size: int) -> int:
         tokenizer = models.load_tokenizer(recipe.target.model, recipe.target, key="target.model")
         found = (tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
         chosen = next((int(i) for i in found if i is not None and 0 <= int(i) < vocab_size), vocab_size - 1)
-    if not 0 <= chosen < vocab_size:
-        raise ValueError(
-            f"draft.mask_token_id={chosen} is outside the target's vocabulary of {vocab_size} tokens: set an id in "
-            f"0..{vocab_size - 1} (or null to pick one)"
-        )
+    check_mask_token_id(chosen, vocab_size, "the target's")
     return int(chosen)
 
 
@@ -87,11 +96,14 @@ def build_draft(
     """The EAGLE-3 kind's head (its vocabulary, draft.model or checkpoint) made a P-EAGLE head of
     draft.block_size: an EAGLE-3 head gains a fresh mask feature, a P-EAGLE head keeps its own."""
     head = eagle3_train.head_of(
-        build_chain_draft(recipe, target, source, train_prompts, vocab_size, teachers, resume_from, is_main)
+        chain.build_draft(recipe, target, source, train_prompts, vocab_size, teachers, resume_from, is_main)
     )
     mask = head.config.mask_token_id if head.parallel and recipe.draft.mask_token_id is None else None
     mask = mask_token_id(recipe, vocab_size) if mask is None else int(mask)
     started = "its own mask feature" if head.parallel else "a fresh mask feature"
+    had = getattr(head.config, "block_size", None) if head.parallel else None
+    if had is not None and int(had) != recipe.draft.block_size:
+        started += f", trained for a block of {had} until now"  # the recipe's block, said out loud
     head = decoding.with_mask(head, block_size=recipe.draft.block_size, mask_token_id=mask)
     if is_main:
         print(f"peagle head: block of {recipe.draft.block_size} tokens per forward, mask token {mask} ({started})")

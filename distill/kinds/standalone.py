@@ -28,24 +28,13 @@ DESCRIPTION = "a standalone draft LM"
 LOADS_DRAFT_MODEL = True
 HF_ASSISTED = True
 GENERATES_ROLLOUTS = True
+# a plain causal LM: a folder saved as any other kind (a head, a PARD or DFlash draft) is not one to train as a chain
+FOLDER_KINDS: tuple[str, ...] = ()
 
 
 def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:
-    """draft.model must be a causal LM, not an EAGLE-3 head folder; distill.training.preflight checks its vocabulary
-    against the target's as for any draft LM."""
-    if recipe.draft.model and recipe.draft.init != "truncate":
-        check_not_a_head(recipe.draft.model)
-
-
-def check_not_a_head(path: str) -> None:
-    """A standalone draft (draft.kind=standalone, the default) must be a causal LM, not an EAGLE-3 head folder."""
-    from decode.kinds import eagle3
-
-    if Path(path).is_dir() and eagle3.is_eagle3(path):
-        raise ValueError(
-            f"draft.model {path!r} is an EAGLE-3 head folder, not a standalone draft model: set draft.kind=eagle3 "
-            "to train or measure the head"
-        )
+    """Nothing of its own: distill.training.preflight refuses a draft.model folder saved as another kind
+    (:data:`FOLDER_KINDS`) and checks its vocabulary against the target's, as for any draft LM."""
 
 
 def load_draft(recipe: Recipe, device: torch.device) -> tuple[nn.Module, Any]:

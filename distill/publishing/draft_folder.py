@@ -41,15 +41,16 @@ def recipe_get(recipe: dict, dotted: str, default: Any = None) -> Any:
     return default if node in (None, "") else node
 
 
-def load_merged_draft(src: PublishSource):
+def load_merged_draft(src: PublishSource, trust_remote_code: bool = False):
     """The draft as a plain transformers model: a LoRA adapter is merged into its base (in fp32, then cast back).
+    ``trust_remote_code`` (the command line's, never the recipe's) runs the Python the draft or its base ships.
 
     Returns (model, base_id): base_id is the model the draft was fine-tuned from.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    trust = bool(recipe_get(src.recipe, "draft.trust_remote_code", False))
+    trust = trust_remote_code
     adapter_file = src.model_dir / "adapter_config.json"
     if not adapter_file.is_file():
         model = AutoModelForCausalLM.from_pretrained(src.model_dir, dtype="auto", trust_remote_code=trust)

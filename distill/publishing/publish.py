@@ -63,6 +63,7 @@ from distill.publishing.publish_source import (
     check_plain_draft_config,
     check_repo_id,
     public_name,
+    read_json,
     reproducible_recipe,
     resolve_source,
     scrub,
@@ -160,12 +161,17 @@ def remeasure_prompts(src: PublishSource, reason: str, n_prompts: int) -> list[d
     return prompts
 
 
-def remeasure(folder: Path, src: PublishSource, repo_id: str, reason: str, prompts: list[dict]) -> dict:
+def remeasure(
+    folder: Path, src: PublishSource, repo_id: str, reason: str, prompts: list[dict], trust_remote_code: bool = False
+) -> dict:
     """The bench JSON of the built folder's weights, measured by draftsmith's decoder on the run's eval prompts.
 
     Uses the recipe's eval settings (new tokens, temperature, gamma, batch size, repeats) with the target as the
-    recipe loads it; a one-line PublishError when the target cannot be loaded.
+    recipe loads it, except its trust_remote_code: ``trust_remote_code`` (the command line's) decides whether
+    shipped code runs. A one-line PublishError when the target cannot be loaded.
     """
+    import dataclasses
+
     from transformers import AutoModelForCausalLM
 
     from decode.draft_vocab import load_ids
@@ -174,13 +180,15 @@ def remeasure(folder: Path, src: PublishSource, repo_id: str, reason: str, promp
     from distill.training.engines import bench_by_recipe
 
     recipe = load_recipe(src.recipe_path)
+    target_cfg = dataclasses.replace(recipe.target, trust_remote_code=trust_remote_code)
     try:
-        target = models.load_target(recipe.target)
-        tokenizer = models.load_tokenizer(recipe.target.model, recipe.target)
+        target = models.load_target(target_cfg)
+        tokenizer = models.load_tokenizer(recipe.target.model, target_cfg)
     except (OSError, ValueError) as e:
         raise _cannot_remeasure(reason, f"the target could not be loaded ({first_line(e)})") from None
     device = next(target.parameters()).device
-    draft = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").to(device).eval()
+    draft = AutoModelForCausalLM.from_pretrained(folder, dtype="auto", trust_remote_code=trust_remote_code)
+    draft = draft.to(device).eval()
     ev = recipe.eval
     log.warning(f"re-measuring the merged draft on {len(prompts)} eval prompts: the checkpoint's eval {reason}")
     result = bench_by_recipe(
@@ -269,10 +277,6 @@ def publish_dtype(ev: dict, base_dtype: str | None) -> tuple[str | None, str]:
     return None, ""
 
 
-def draft_trust(recipe: dict) -> bool:
-    return bool(recipe_get(recipe, "draft.trust_remote_code", False))
-
-
 def warn_if_slower(info: dict) -> None:
     """Say at publish time that the draft makes its target slower; the card says it too (distill.publishing.card)."""
     speedup = slower_than_target(info["best"])
@@ -297,6 +301,37 @@ class BuildOptions:
     remeasure_prompts: int = REMEASURE_PROMPTS
     license: str | None = None
     verifier: str | None = None  # an EAGLE-3 head's speculators verifier (default: the target's Hub id)
+    # run the Python a model ships (auto_map): the command line's choice, never the recipe's or the folder's
+    trust_remote_code: bool = False
+
+
+def loaded_models(src: PublishSource) -> list[tuple[str, str, str | None]]:
+    """(what, name, revision) of every model that publishing ``src`` loads through transformers: the target, and a
+    plain or PARD draft with the bases it derives from (a head or a DFlash draft is copied as saved, never loaded)."""
+    recipe = src.recipe
+    target = recipe_get(recipe, "target.model") or src.eval.get("target")
+    found = [("the target", str(target), recipe_get(recipe, "target.revision"))] if target else []
+    if is_eagle3(src.model_dir) or is_dflash_folder(src.model_dir):
+        return found
+    found.append(("the draft", str(src.model_dir), None))
+    adapter = src.model_dir / "adapter_config.json"
+    base = read_json(adapter).get("base_model_name_or_path") if adapter.is_file() else None
+    for name in dict.fromkeys(n for n in (base, recipe_get(recipe, "draft.model")) if n):
+        found.append(("the draft's base", str(name), None))
+    return found
+
+
+def check_remote_code(src: PublishSource, trusted: bool) -> None:
+    """A model publishing would load ships Python code (auto_map) and the command line did not pass
+    --trust-remote-code: one PublishError line, before anything is written. A recipe saying trust_remote_code
+    never runs code alone: the folder being published may come from anyone."""
+    from decode.sources import check_remote_code as check_one
+
+    for what, name, revision in loaded_models(src):
+        try:
+            check_one(name, what, trusted, revision)
+        except ValueError as e:
+            raise PublishError(str(e)) from None
 
 
 def build_publish_folder(
@@ -310,7 +345,9 @@ def build_publish_folder(
     check_repo_id(repo_id, names=False)
     src = resolve_source(source)
     _check_names(src, repo_id)
-    return _build_atomic(src, Path(out_dir), repo_id, options or BuildOptions())
+    options = options or BuildOptions()
+    check_remote_code(src, options.trust_remote_code)
+    return _build_atomic(src, Path(out_dir), repo_id, options)
 
 
 def _check_names(src: PublishSource, repo_id: str, dry_run_dir: str | Path | None = None) -> None:
@@ -367,7 +404,7 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
     if not target:
         raise PublishError("the target model is unknown: no recipe and no 'target' in the eval figures")
     t_rev = recipe_get(recipe, "target.revision")
-    trust = bool(recipe_get(recipe, "target.trust_remote_code", False))
+    trust = options.trust_remote_code
     if is_eagle3(src.model_dir):
         return _build_eagle3_into(src, dest, repo_id, options, target, trust, notes)
     if is_dflash_folder(src.model_dir):
@@ -375,12 +412,12 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
 
     reason = eval_not_on_upload(src)
     prompts = remeasure_prompts(src, reason, options.remeasure_prompts) if reason and options.remeasure else None
-    model, base_id = load_merged_draft(src)
+    model, base_id = load_merged_draft(src, trust)
     check_plain_draft_config(model.config.to_dict())
     block = int(model.config.block_size) if getattr(model.config, "pard_token", None) is not None else None
     if recipe_get(recipe, "draft.init") == "truncate":  # cut from the target: the target is what it derives from
         base_id = target
-    dtype, why = publish_dtype(src.eval, declared_dtype(base_id, trust if base_id == target else draft_trust(recipe)))
+    dtype, why = publish_dtype(src.eval, declared_dtype(base_id, trust))
     if model.dtype == torch.float32 and dtype is not None:
         # A fully fine-tuned draft trains in fp32 master weights; publish it in the dtype it was measured in, or
         # the one it came in (half the size).
@@ -420,7 +457,7 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
     best, training_eval = src.eval, None
     if reason and prompts:
         training_eval = src.eval
-        best = remeasure(dest, src, repo_id, reason, prompts)
+        best = remeasure(dest, src, repo_id, reason, prompts, trust)
         notes.append(
             f"figures re-measured at publish time on the uploaded merged weights ({best['n_prompts']} eval "
             f"prompts): the training-time eval {reason} (kept in draftsmith_eval.json as training_eval)"
@@ -638,19 +675,23 @@ def publish(
     remeasure: bool = True,
     license: str | None = None,
     verifier: str | None = None,
+    trust_remote_code: bool = False,
 ) -> str:
     """Build the publish folder from a run or checkpoint dir and upload it; or, with `dry_run_dir`, only write it.
 
     `remeasure=False` publishes a QLoRA checkpoint's training-time figures (with a note) instead of re-measuring
     the merged draft. `license` is the card's license id (default: the base draft's, when its card is readable).
     `verifier`: the target an EAGLE-3 head's config.json names for vLLM (default: the target's Hub id).
-    Returns the repo URL, or the dry-run folder's path. A bad source, an offline Hub or a missing login fail
-    before the (slow) build and before anything is uploaded.
+    `trust_remote_code`: run the Python a model ships (auto_map in its config.json); without it such a model is
+    refused (:func:`check_remote_code`), whatever the run's recipe says. Returns the repo URL, or the dry-run
+    folder's path. A bad source, a model that ships code unasked, an offline Hub or a missing login fail before the
+    (slow) build and before anything is uploaded.
     """
     check_repo_id(repo_id, names=False)
-    options = BuildOptions(remeasure=remeasure, license=license, verifier=verifier)
+    options = BuildOptions(remeasure, license=license, verifier=verifier, trust_remote_code=trust_remote_code)
     src = resolve_source(source)
     _check_names(src, repo_id, dry_run_dir)
+    check_remote_code(src, trust_remote_code)
     if dry_run_dir is not None:
         return str(_build_atomic(src, Path(dry_run_dir), repo_id, options))
     check_hub_access()

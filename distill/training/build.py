@@ -156,6 +156,7 @@ def resume_state(accelerator: Any, state: RunState, resume: bool) -> int:
     if found is None:
         if accelerator.is_main_process:
             print(f"--resume: no complete checkpoint in {state.ckpt_root}, starting from step 0")
+            trim_metrics(state.out / "metrics.jsonl", None)  # every row: the run starts over
         return 0
     start_step, path = found
     accelerator.load_state(str(path / "state"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import math
 import os
 import re
@@ -104,31 +105,112 @@ def speedup_ci95(result: dict[str, Any]) -> tuple[float, float] | None:
     return (float(ci[0]), float(ci[1]))
 
 
+# What torch's zip writer (torch.save: optimizer, scheduler, RNG state) raises when a write fails, by where it fails
+# (a record, the end of the file); it carries no errno, so a full disk is told by the space left on the filesystem.
+WRITER_FAILURES = (
+    "inline_container.cc", "PytorchStreamWriter", "unexpected pos", "file write failed", "basic_ios::clear",
+    "iostream error",
+)  # fmt: skip
+LOW_SPACE_BYTES = 16 * 2**20  # below this, a writer's failure is taken for a full disk
+
+
 class DiskFullError(OSError):
-    """Raised (one line) when a checkpoint cannot be written for lack of space."""
+    """Raised (one line) when a checkpoint cannot be written for lack of space; `path` is what was being written."""
+
+    def __init__(self, code: int, message: str, path: Path | None = None) -> None:
+        super().__init__(code, message)
+        self.path = Path(path) if path is not None else None
+
+    def __str__(self) -> str:
+        return self.strerror  # the message alone: it becomes the run's `error:` line
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes free (to this user) on the filesystem holding `path` (its nearest existing parent), or None."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def human_bytes(n: int | None) -> str:
+    """1536 -> '1.5 KiB'; None -> 'unknown'."""
+    if n is None:
+        return "unknown"
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
 
 
 def disk_error_message(err: OSError, what: Path) -> str:
-    """One-line description of a write failure, naming the fix for the common cases."""
+    """One-line description of a write failure, naming the fix for the common cases (and, for a full disk, the
+    space now free on that filesystem: the partial write is gone by the time this is read)."""
     if err.errno == errno.ENOSPC:
-        return f"no space left on device while writing {what}: free disk space or set output_dir elsewhere"
+        return (
+            f"no space left on device while writing {what} ({human_bytes(free_bytes(what))} free on its filesystem): "
+            "free disk space or set output_dir elsewhere, then rerun with --resume"
+        )
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"cannot write {what} ({os.strerror(err.errno)}): choose a writable output_dir"
     return f"cannot write {what}: {err.strerror or err}"
 
 
-def as_disk_error(err: BaseException, what: Path) -> DiskFullError | None:
+def low_on_space(path: Path) -> bool:
+    """Whether the filesystem holding `path` is (nearly) full. Read it before removing a failed write's partial
+    files, which free the space again."""
+    free = free_bytes(path)
+    return free is not None and free < LOW_SPACE_BYTES
+
+
+def as_disk_error(err: BaseException, what: Path, full: bool | None = None) -> DiskFullError | None:
     """The one-line DiskFullError for a failed write, or None when `err` is not about the disk.
 
-    Writers outside Python's io (safetensors' Rust serializer) raise their own types; they still report the
-    OS error text, and a nearly full disk confirms it.
+    Writers outside Python's io raise their own types: safetensors' Rust serializer reports the OS error text,
+    torch's zip writer only a position mismatch, which a full disk confirms as one (`full`: `low_on_space` read
+    when the write failed; read now when not given). A DiskFullError passes through: it names its own path.
     """
+    if isinstance(err, DiskFullError):
+        return err
     if isinstance(err, OSError) and err.errno is not None:
-        return DiskFullError(err.errno, disk_error_message(err, what))
+        return DiskFullError(err.errno, disk_error_message(err, what), what)
     text = str(err)
     if "No space left" in text or "os error 28" in text:
-        return DiskFullError(errno.ENOSPC, disk_error_message(OSError(errno.ENOSPC, "no space"), what))
+        return DiskFullError(errno.ENOSPC, disk_error_message(OSError(errno.ENOSPC, "no space"), what), what)
+    if any(marker in text for marker in WRITER_FAILURES):
+        if full if full is not None else low_on_space(what):
+            return DiskFullError(errno.ENOSPC, disk_error_message(OSError(errno.ENOSPC, "no space"), what), what)
+        line = text.strip().splitlines()[0]
+        message = f"cannot write {what} ({line}; {human_bytes(free_bytes(what))} free on its filesystem)"
+        return DiskFullError(errno.EIO, message, what)
     return None
+
+
+class _TiedWeightsNote(logging.Filter):
+    """Drops accelerate's "Removed shared tensor {...} while saving" note: a draft with tied input and output
+    embeddings (lm_head.weight is embed_tokens.weight) is saved with the tie in its config, and loads back tied."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Removed shared tensor" not in record.getMessage()  # accelerate prefixes "[RANK n] "
+
+
+@contextlib.contextmanager
+def tied_weights_quiet() -> Iterator[None]:
+    """Around accelerate's save_state: only the shared-tensor note is dropped, every other warning stays."""
+    logger = logging.getLogger("accelerate.utils.other")  # where accelerate logs the note
+    note = _TiedWeightsNote()
+    logger.addFilter(note)
+    try:
+        yield
+    finally:
+        logger.removeFilter(note)
 
 
 @contextlib.contextmanager
@@ -149,8 +231,9 @@ def atomic_dir(final: Path, tmp_name: str | None = None) -> Iterator[Path]:
         yield tmp
         replace_dir(tmp, final)
     except BaseException as err:
+        full = low_on_space(tmp)  # before the partial files go
         shutil.rmtree(tmp, ignore_errors=True)
-        disk = as_disk_error(err, final)
+        disk = as_disk_error(err, final, full)
         if disk is not None and disk.errno == errno.ENOSPC:
             raise disk from None
         raise
@@ -204,18 +287,23 @@ def fsync_dir(directory: Path) -> None:
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON through a temp file + fsync + rename (+ fsync of the directory): readers never see half a
     file, and a power loss never leaves an empty one under the final name."""
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """`path` holds `text` or, when the write fails (a DiskFullError naming `path`), what it held before."""
     path = Path(path)
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}")
     try:
         with open(tmp, "w") as f:
-            f.write(json.dumps(obj, indent=2) + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as err:
         tmp.unlink(missing_ok=True)
-        raise DiskFullError(err.errno, disk_error_message(err, path)) from None
+        raise DiskFullError(err.errno, disk_error_message(err, path), path) from None
 
 
 def clean_temporaries(directory: Path) -> list[Path]:

@@ -38,6 +38,8 @@ def _bench_settings(recipe: Recipe, dtype: str) -> dict[str, Any]:
         "repeats": ev.repeats,
         "seed": recipe.train.seed,
         "dtype": dtype,
+        # the recipe is the user's command line here: its trust_remote_code is theirs
+        "trust_remote_code": recipe.target.trust_remote_code or recipe.draft.trust_remote_code,
     }
 
 
@@ -155,7 +157,8 @@ def _bench_vllm(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype: str)
     from decode.vllm_engine import bench_in_subprocess, draft_dir_for_vllm
 
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as tmp:
-        draft_dir = draft_dir_for_vllm(recipe.target.model, str(best), dtype, Path(tmp))
+        trust = recipe.target.trust_remote_code or recipe.draft.trust_remote_code
+        draft_dir = draft_dir_for_vllm(recipe.target.model, str(best), dtype, Path(tmp), trust)
         settings = {**_bench_settings(recipe, dtype), "draft_sample_method": recipe.eval.vllm_draft_sample_method}
         return bench_in_subprocess(
             recipe.target.model, draft_dir, prompts, settings=settings, out_json=Path(tmp) / "e.json"

@@ -9,6 +9,7 @@ import contextlib
 import copy
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -21,10 +22,26 @@ from decode import kernels
 from decode.kinds import kind_of
 from distill import kinds
 from distill.config import Recipe, TrainConfig
-from distill.training.checkpoints import speedup_ci95
+from distill.training.checkpoints import DiskFullError, disk_error_message, speedup_ci95
 from distill.training.engines import bench_by_recipe, evaluate_vllm
 
 # ---------------------------------------------------------------- trackers
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append `line` to `path` whole or not at all: a failed write (a full disk) is cut off again and raised as a
+    one-line DiskFullError naming `path`."""
+    size = path.stat().st_size if path.is_file() else None
+    try:
+        with path.open("a") as f:
+            f.write(line + "\n")
+    except OSError as err:
+        with contextlib.suppress(OSError):  # shrinking a file needs no space
+            if size is None:
+                path.unlink(missing_ok=True)
+            else:
+                os.truncate(path, size)
+        raise DiskFullError(err.errno, disk_error_message(err, path), path) from None
 
 
 class MetricsLog:
@@ -38,8 +55,7 @@ class MetricsLog:
         scalars = {k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         self.accelerator.log(scalars, step=step)
         if self.accelerator.is_main_process:
-            with self.path.open("a") as f:
-                f.write(json.dumps({"step": step, **values}) + "\n")
+            append_line(self.path, json.dumps({"step": step, **values}))
 
     def log_rich(self, eval_result: dict, samples: list[dict], step: int, plot_path: Path | None) -> None:
         """W&B extras: the per-position acceptance plot and a table of eval samples."""

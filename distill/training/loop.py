@@ -8,7 +8,9 @@ checks that stop a run (NaN/inf loss or weights, train.max_minutes).
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import shutil
 import traceback
 from collections.abc import Callable
@@ -23,7 +25,14 @@ from distill.config import Recipe
 from distill.kinds import StepLoss
 from distill.publishing.hub import first_line
 from distill.training import distributed, interrupt
-from distill.training.checkpoints import as_disk_error, newest_checkpoint, write_json_atomic
+from distill.training.checkpoints import (
+    DiskFullError,
+    as_disk_error,
+    low_on_space,
+    newest_checkpoint,
+    tied_weights_quiet,
+    write_json_atomic,
+)
 from distill.training.helpers import (
     MetricsLog,
     Timer,
@@ -83,12 +92,20 @@ def evaluate_and_save(ctx: CheckpointContext, step: int, loss: float | None, tra
                     draft_vocab=ctx.draft_vocab,
                 ))  # fmt: skip
             except Exception as err:  # noqa: BLE001 - whatever broke the evaluation, the training is kept
+                if out_of_space(err):  # its samples could not be written: no evaluation failed
+                    raise checkpoint_write_error(err, ctx.state, step) from None
                 failed = err
                 ctx.state.pending_eval = {"loss": loss}  # saved as resume-only; --resume evaluates it first
-                (ctx.state.out / EVAL_ERROR).write_text(traceback.format_exc())
+                try:
+                    (ctx.state.out / EVAL_ERROR).write_text(traceback.format_exc())
+                except OSError as write_err:
+                    raise checkpoint_write_error(write_err, ctx.state, step) from None
         if result is not None:  # None: an interrupt cut it short, and the checkpoint keeps the training state alone
             result.update(train_loss=loss, step=step, train_minutes=train_s / 60.0)
-            log_evaluation(ctx.metrics, result, ctx.eval_rows, step, tmp)
+            try:
+                log_evaluation(ctx.metrics, result, ctx.eval_rows, step, tmp)
+            except Exception as err:
+                raise checkpoint_write_error(err, ctx.state, step) from None
     save_checkpoint(acc, ctx.state, full, ctx.tokenizer, step, result)
     if acc.is_main_process and failed is not None:
         raise EvaluationFailed(
@@ -135,18 +152,14 @@ def save_checkpoint(
     the main process adds the draft (`full`: a plain, unsharded copy, see distributed.full_draft) and `result`
     (its eval.json), renames it into place, updates best/ and keeps the top-k. Collective: every process calls
     it."""
-    tmp = state.tmp_dir(step)
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(str(tmp / "state"))
+        with tied_weights_quiet():
+            accelerator.save_state(str(state.tmp_dir(step) / "state"))
         if accelerator.is_main_process:
-            state.finish_checkpoint(full, tokenizer, step, result, tmp)
+            state.finish_checkpoint(full, tokenizer, step, result, state.tmp_dir(step))
     except Exception as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        disk = as_disk_error(err, state.ckpt_root / f"step-{step}")
-        if disk is None:
-            raise
-        raise disk from None
+        raise checkpoint_write_error(err, state, step) from None
     accelerator.wait_for_everyone()
 
 
@@ -157,10 +170,35 @@ def save_state_only(accelerator, state: RunState, step: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / "state"))
-    if accelerator.is_main_process:
-        state.finish_state_only(step, tmp)
+    try:
+        with tied_weights_quiet():
+            accelerator.save_state(str(tmp / "state"))
+        if accelerator.is_main_process:
+            state.finish_state_only(step, tmp)
+    except Exception as err:
+        raise checkpoint_write_error(err, state, step) from None
     accelerator.wait_for_everyone()
+
+
+def out_of_space(err: BaseException) -> bool:
+    """Whether `err` is a write that failed for lack of space (the disk or the user's quota)."""
+    disk = as_disk_error(err, Path("."), full=False)
+    return disk is not None and disk.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def checkpoint_write_error(err: Exception, state: RunState, step: int) -> Exception:
+    """What a failed write of checkpoint `step` raises, after removing its temporary directory (the previous
+    checkpoints and best/ are untouched): a one-line DiskFullError naming checkpoints/step-N, or the file
+    outside it that failed (best/, base_eval.json, metrics.jsonl), and the space free there; `err` itself when
+    it is no write failure."""
+    tmp, final = state.tmp_dir(step), state.ckpt_root / f"step-{step}"
+    full = low_on_space(tmp)  # before the partial files go, which free the space again
+    shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(err, DiskFullError) and err.path is not None and not err.path.is_relative_to(tmp):
+        return err
+    if isinstance(err, DiskFullError):  # a file inside the temporary directory: the checkpoint is named
+        err = OSError(err.errno, os.strerror(err.errno))
+    return as_disk_error(err, final, full) or err
 
 
 def write_report(state: RunState, checksums: list[float], world: int) -> None:
@@ -168,7 +206,12 @@ def write_report(state: RunState, checksums: list[float], world: int) -> None:
     report = state.report(checksums, world)
     write_json_atomic(state.out / "report.json", report)
     state.write_marker(report["clock"])
-    plot = plot_base_vs_best(report["base"], report["best"], state.out / "acceptance_base_vs_best.png")
+    png = state.out / "acceptance_base_vs_best.png"
+    try:
+        plot = plot_base_vs_best(report["base"], report["best"], png)
+    except OSError as err:
+        png.unlink(missing_ok=True)  # half a picture
+        raise as_disk_error(err, png) from None
     print("\n" + summary_table(report["base"], report["best"], report["best_step"], report["clock"]))
     print(f"\nbest draft: {state.out / 'best'}\nreport: {state.out / 'report.json'}\nplot: {plot}")
 

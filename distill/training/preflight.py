@@ -13,10 +13,16 @@ files only.
 * the prompt files: each one there, every row of a JSONL file valid JSON and a {"prompt"}, {"messages"} or
   {"conversations"} row (:func:`distill.data.prompts.check_prompt_source`), a `generate:` spec one that exists;
 * chat prompts ('messages' rows, generate:magpie) need the target's chat template;
+* the rows of JSONL prompt files as the run reads them (:func:`check_prompt_rows`): some training row is left
+  once the eval rows are held out from training (data.eval_prompts, or the data.eval_split of the training
+  rows), some training row has tokens after tokenisation, and so does every eval row an evaluation decodes;
 * `data.engine: vllm` needs vLLM installed (the `vllm` extra);
-* a standalone draft is not an EAGLE-3 head folder; for draft.kind=eagle3, the target's forward returns its
-  per-layer hidden states (probed on one token of a weightless, meta-device copy), and a head folder in
-  draft.model was made for this target (vocabulary, hidden size, aux layer ids in its config.json).
+* a draft folder saved as one kind (:func:`distill.kinds.folder_kind`: a head, a PARD or DFlash draft) is
+  trained as that kind only (a kind's ``FOLDER_KINDS``: a P-EAGLE head starts from an EAGLE-3 head too);
+* the kind's own checks (its ``check_inputs``): for a head or a DFlash draft, the target's forward returns its
+  per-layer hidden states (probed on one token of a weightless, meta-device copy), and a folder in draft.model
+  was made for this target (vocabulary, hidden size, layer ids in its config.json); a DFlash folder was trained
+  for draft.block_size (it keeps its block); draft.mask_token_id is an id of the vocabulary it marks.
 
 What is not known yet is skipped, never guessed: an empty model path (build_pair: quickstart fills it in later),
 the draft of `draft.init: truncate` (built from the target, it has the target's vocabulary by construction), and
@@ -25,16 +31,17 @@ prompt sources other than JSONL files (datasets directories and hub datasets are
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
 from decode import sources
 from decode.compat import check_vocab_compatible
-from decode.prompts import read_jsonl
+from decode.prompts import encode_prompt, expand_turns, read_jsonl
 from distill import kinds, models
 from distill.config import DataConfig, ModelConfig, Recipe
 from distill.data import prompt_gen, vllm_rollouts
-from distill.data.prompts import check_prompt_source
+from distill.data.prompts import check_prompt_source, load_train_eval
 
 
 def check_inputs(recipe: Recipe) -> None:
@@ -50,9 +57,11 @@ def check_inputs(recipe: Recipe) -> None:
     kind = kinds.get(recipe.draft.kind)  # a draft LM to load, or one built from the target (an EAGLE-3 head)
     loads = kind.LOADS_DRAFT_MODEL and recipe.draft.init != "truncate"
     draft = _known_model(recipe.draft, "draft.model", later) if loads else None
-    kind.check_inputs(
-        recipe, target, lambda: sources.load_config(target, key="target.model", **_config_kwargs(recipe.target))
+    check_draft_folder(recipe, kind)
+    target_config = functools.cache(  # read once, by whichever check needs it first
+        lambda: sources.load_config(target, key="target.model", **_config_kwargs(recipe.target))
     )
+    kind.check_inputs(recipe, target, target_config)
     if target is None:
         return  # nothing to check the draft and the prompts against yet
     tokenizer = models.load_tokenizer(recipe.target.model, recipe.target, key="target.model")
@@ -60,6 +69,32 @@ def check_inputs(recipe: Recipe) -> None:
         draft_tokenizer = models.load_tokenizer(recipe.draft.model, recipe.draft, key="draft.model")
         check_pair_vocab(recipe.target, recipe.draft, tokenizer, draft_tokenizer)
     check_chat_prompts(recipe.data, tokenizer, recipe.target.model)
+    check_prompt_rows(recipe.data, tokenizer, recipe.eval.num_prompts)
+
+
+def check_draft_folder(recipe: Recipe, kind: kinds.Kind) -> None:
+    """draft.model, a folder saved as one kind of draft (:func:`distill.kinds.folder_kind`), is trained as a kind
+    that starts from it (``kind.FOLDER_KINDS``): another kind would read its weights as what they are not.
+
+    Raises:
+        ValueError: one line naming both kinds, draft.kind and draft.model.
+    """
+    path = recipe.draft.model
+    if not path or recipe.draft.init == "truncate":
+        return  # no folder to read: the draft is built from the target
+    found = kinds.folder_kind(path)
+    if found is None or found in kind.FOLDER_KINDS:
+        return
+    what = kinds.KINDS[found].DESCRIPTION if found in kinds.KINDS else f"a {found} draft"
+    other = (
+        "give another draft.model"
+        if kind.LOADS_DRAFT_MODEL
+        else "leave draft.model empty to build one from the target"
+    )
+    raise ValueError(
+        f"draft.model {path!r} is {what} folder (draft.kind={found}), and draft.kind={recipe.draft.kind} trains "
+        f"{kind.DESCRIPTION}: set draft.kind={found} to continue it, or {other}"
+    )
 
 
 def check_prompt_files(cfg: DataConfig, later: bool = False) -> None:
@@ -136,6 +171,59 @@ def check_chat_prompts(cfg: DataConfig, tokenizer: Any, target_name: str) -> Non
                 f"{key} {source!r} holds chat ('messages') rows (row {first}), and target.model {target_name!r} "
                 f"has no chat template: {fix}"
             )
+
+
+def check_prompt_rows(cfg: DataConfig, tokenizer: Any, num_eval: int) -> None:
+    """The rows of JSONL prompt files as a run reads them (:func:`distill.data.prompt_gen.load_train_eval`): the
+    training rows left once those equal to an eval row are held out, some of them with tokens, and the first
+    ``num_eval`` eval rows (eval.num_prompts: what an evaluation decodes) each with tokens. Other sources are
+    checked when they are loaded.
+
+    Raises:
+        ValueError: one line naming the recipe key, the file and the fix.
+    """
+    if prompt_gen.is_generated(cfg.train_prompts) or not all(
+        map(_is_jsonl, filter(None, (cfg.train_prompts, cfg.eval_prompts)))
+    ):
+        return
+    train, evals = load_train_eval(cfg)
+    train, evals = expand_turns(train), expand_turns(evals)
+    kept = prompt_gen.without_overlap(train, evals, cfg.prompt_field)
+    source = f"data.train_prompts {cfg.train_prompts!r}"
+    if not kept:
+        if cfg.eval_prompts:
+            raise ValueError(
+                f"every {source} row is also in data.eval_prompts {cfg.eval_prompts!r} (held out from training): "
+                "give a different data.eval_prompts, or leave it empty to hold out data.eval_split of them"
+            )
+        raise ValueError(
+            f"every {source} row is the same as a held-out eval row (data.eval_split): give distinct prompts"
+        )
+
+    def tokens(row: dict) -> list[int]:
+        return encode_prompt(
+            row, tokenizer, prompt_field=cfg.prompt_field, apply_chat_template=cfg.apply_chat_template
+        )
+
+    if not any(tokens(row) for row in kept):
+        raise ValueError(
+            f"none of the {len(kept)} training rows of {source} has any tokens after tokenisation with target.model's "
+            f"tokenizer: give rows whose {cfg.prompt_field!r} text (or messages) is not empty"
+        )
+    where = (
+        f"data.eval_prompts {cfg.eval_prompts!r}" if cfg.eval_prompts else f"{source} (held out by data.eval_split)"
+    )
+    empty = next((n for n, row in enumerate(evals[:num_eval], 1) if not tokens(row)), None)
+    if empty is not None:
+        raise ValueError(
+            f"eval prompt {empty} of {where} has no tokens after tokenisation with target.model's tokenizer, and an "
+            f"evaluation decodes the first eval.num_prompts={num_eval}: remove the empty rows or give them text"
+        )
+
+
+def _is_jsonl(source: str) -> bool:
+    path = Path(source).expanduser()
+    return path.suffix == ".jsonl" and path.is_file()
 
 
 def _wants_magpie(cfg: DataConfig) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import time
 import uuid
@@ -36,6 +35,7 @@ from distill.training.checkpoints import (
     select_best,
     steps_to_keep,
     write_json_atomic,
+    write_text_atomic,
 )
 
 RUN_MARKER = "draftsmith-run.json"  # written into output_dir when a run starts: what --overwrite trusts
@@ -142,7 +142,7 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool, inputs: dict[st
         # first write of every start: marks the run and tests that output_dir is writable
         write_json_atomic(out / RUN_MARKER, {"tool": "draftsmith", "kind": "distill run", "run_id": run_id})
     except OSError as err:
-        raise DiskFullError(err.errno, disk_error_message(err, out)) from None
+        raise DiskFullError(err.errno, disk_error_message(err, out), out) from None
     return run_id
 
 
@@ -159,10 +159,11 @@ def read_run_id(out: Path) -> str | None:
     return folders[-1].name.rsplit("-", 1)[-1] if folders else None
 
 
-def trim_metrics(path: Path, step: int) -> int:
+def trim_metrics(path: Path, step: int | None) -> int:
     """--resume from `step`: drop the rows of metrics.jsonl the resumed run writes again, so that every step keeps
     one row of each kind: those past `step`, the start record at `step` (`{"step", "distributed"}`, logged at
-    every start) and a line a kill cut short. Returns how many rows were dropped."""
+    every start) and a line a kill cut short. `step` None (no complete checkpoint: the run starts over from step
+    0, its evaluation included) drops every row. Returns how many rows were dropped."""
     path = Path(path)
     if not path.is_file():
         return 0
@@ -170,15 +171,15 @@ def trim_metrics(path: Path, step: int) -> int:
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line)
-            keep = row["step"] < step or (row["step"] == step and set(row) != {"step", "distributed"})
+            keep = step is not None and (
+                row["step"] < step or (row["step"] == step and set(row) != {"step", "distributed"})
+            )
         except (ValueError, KeyError, TypeError):
             keep = False
         kept += [line] if keep else []
         dropped += not keep
     if dropped:
-        tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(f"{line}\n" for line in kept))
     return dropped
 
 
@@ -389,6 +390,10 @@ class RunState:
             return False
         export_best(chosen, self.out / "best")
         return True
+
+    def save_recipe(self) -> None:
+        """resolved_recipe.yaml in output_dir, whole or not at all: --resume compares the recipe with it."""
+        write_text_atomic(self.out / "resolved_recipe.yaml", dump_recipe(self.recipe))
 
     # ---- resume
 
