@@ -38,7 +38,7 @@ with random weights:
 No target runs: the target's side of the batch (its aux hidden states in bf16, its log-probabilities over the
 draft vocabulary) is random of the right shapes, and the head reads a bf16 embedding of the target's vocabulary
 (the target's own, which the head shares). Each (head, length) runs in a fresh worker: a warm-up step at 64
-tokens (so AdamW's state exists), then the measured step: `distill.training.eagle3_train.head_loss` (3 unrolled steps,
+tokens (so AdamW's state exists), then the measured step: `decode.kinds.eagle3.train_step.head_loss` (3 unrolled steps,
 forward KL, every position; `--recompute`: with `distill.recompute`), backward, the training loop's AdamW step.
 It reports the step's peak RSS (VmHWM reset just before it) and the RSS before it (the head, its AdamW state, the
 embedding, the batch's target side), whose difference is the step's own memory; on CUDA also
@@ -303,7 +303,7 @@ def _random_side(head, batch: int, seq: int, device):
     """A training batch of ``seq`` tokens per row and a random target side for it (bf16 features)."""
     import torch
 
-    from distill.training.eagle3_train import TargetSide
+    from decode.kinds.eagle3.train_step import TargetSide
 
     config, vd = head.config, len(head.draft_ids)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
@@ -322,10 +322,10 @@ def eagle3_worker(shape: str, seq: int, threads: int | None, recompute: bool = F
     from torch import nn
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from decode.kinds import eagle3
+    from decode.kinds.eagle3 import decoding as eagle3
+    from decode.kinds.eagle3 import train_step
     from distill.config import DistillConfig, TrainConfig
     from distill.models import resolve_device
-    from distill.training import eagle3_train
     from distill.training.helpers import build_optimizer
 
     if threads:
@@ -341,7 +341,7 @@ def eagle3_worker(shape: str, seq: int, threads: int | None, recompute: bool = F
     embed.requires_grad_(False)
     draft_ids = torch.randperm(config.vocab_size)[: spec["draft_vocab"]].sort().values.tolist()
     head = eagle3.Eagle3Head(config, embed, draft_ids).to(device)
-    model = eagle3_train.Unrolled(head)
+    model = train_step.Unrolled(head)
     opt = build_optimizer(model, TrainConfig())  # the training loop's AdamW
     cfg = DistillConfig(recompute=recompute)
     res: dict = {"device": str(device), "threads": torch.get_num_threads(), "head": shape, "seq": seq}
@@ -350,7 +350,7 @@ def eagle3_worker(shape: str, seq: int, threads: int | None, recompute: bool = F
     res["head_params_m"] = sum(p.numel() for p in head.parameters()) / 1e6
 
     def step(data, side) -> float:
-        loss, _ = eagle3_train.head_loss(model, side, data, cfg)
+        loss, _ = train_step.head_loss(model, side, data, cfg)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -214,7 +214,8 @@ def check_inputs(args: argparse.Namespace) -> tuple[Any, Any, list[dict]]:
     """
     from decode import sources
     from decode.compat import check_vocab_compatible
-    from decode.kinds import dflash, eagle3
+    from decode.kinds.dflash import decoding as dflash
+    from decode.kinds.eagle3 import decoding as eagle3
     from decode.prompts import load_prompts
 
     trust = {"trust_remote_code": args.trust_remote_code}
@@ -331,7 +332,8 @@ def write_outputs(result: dict, args: argparse.Namespace) -> list[str]:
 def read_by_draftsmith(draft: str) -> bool:
     """A draft folder that draftsmith's own code reads (an EAGLE-3 head, a DFlash draft), and vLLM its own: an
     ``auto_map`` in it is never imported."""
-    from decode.kinds import dflash, eagle3
+    from decode.kinds.dflash import decoding as dflash
+    from decode.kinds.eagle3 import decoding as eagle3
 
     return eagle3.is_eagle3(draft) or dflash.is_dflash_folder(draft)
 
@@ -370,7 +372,9 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
 
     from decode.bench import run_bench
     from decode.compat import check_vocab_compatible
-    from decode.kinds import dflash, eagle3, pard
+    from decode.kinds.dflash import decoding as dflash
+    from decode.kinds.eagle3 import decoding as eagle3
+    from decode.kinds.pard import decoding as pard
 
     block_states = dflash.is_dflash_folder(args.draft)
     head = eagle3.is_eagle3(args.draft)

@@ -42,12 +42,12 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from decode import kernels
+from decode import kernels, kinds
 from decode.compat import check_context, check_vocab_compatible, logits_width, text_config, with_rows
 from decode.draft_length import AutoDraftLength, TreeShape, is_tree_spec, parse_tree
 from decode.draft_vocab import with_subset_head
 from decode.files import UnwrittenOutput, os_reason, write_whole
-from decode.kinds import BLOCK_KINDS, forwards_per_round, kind_of
+from decode.kinds.dispatch import BLOCK_KINDS, forwards_per_round, kind_of
 from decode.metrics import (
     ForwardCostMeter,
     acceptance_metrics,
@@ -420,7 +420,7 @@ def run_bench(
         raise ValueError("repeats and batch_size must be >= 1")
     vocab = check_vocab_compatible(target, draft, tokenizer)
     kind = kind_of(draft)
-    if kind != "standalone" and "hf" in baselines:
+    if not kinds.traits(kind).hf_assisted and "hf" in baselines:
         raise ValueError(f"HF assisted generation cannot run a draft of kind {kind}: bench it with baselines target")
     methods = _methods(baselines, batch_size, kernels.applies(target, draft))
     eos_id = tokenizer.eos_token_id

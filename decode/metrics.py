@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from decode.kinds import cost_stream
+from decode.kinds.dispatch import cost_stream
 from decode.kv_stream import decoding
 from decode.output import SpecStats
 

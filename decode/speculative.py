@@ -32,8 +32,8 @@ from torch import nn
 from decode import acceptance, tree
 from decode.compat import check_context, logits_width
 from decode.draft_length import AutoDraftLength, FixedDraftLength, TreeShape, is_tree_spec, parse_tree
-from decode.kinds import BLOCK_KINDS, Verified, check_draft_length, drafter_for, kind_of
-from decode.kinds.standalone import all_real
+from decode.kinds.dispatch import BLOCK_KINDS, Verified, check_draft_length, drafter_for, kind_of
+from decode.kinds.standalone.decoding import all_real
 from decode.kv_stream import KVStream, decoding
 from decode.output import Emitter, SpecOutput, SpecStats, eos_ids, pack
 from decode.sampling import process_logits, sample, validate_sampling
@@ -274,7 +274,7 @@ def target_generate(
         vocab: the logits width to decode over; None = the target's full width. Given the width
             ``speculative_generate`` used, both loops choose among exactly the same tokens.
         observer: sees the target's side of every input, once each (what
-            ``distill.training.eagle3_train.GenerationRecorder`` keeps for training): each forward calls
+            ``decode.kinds.eagle3.train_step.GenerationRecorder`` keeps for training): each forward calls
             ``observer.seen(rows, logits, states, valid)`` with the logits of all its inputs ``[B, q, vocab]``
             and the hidden states at ``observer.layers`` side by side ``[B, q, ...]``; a finished row is fed its
             last token once more before it leaves the batch. The tokens chosen do not change.

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from decode.draft_length import TreeShape
-from decode.kinds import Verified, eagle3, kind_of
+from decode.kinds.dispatch import Verified, kind_of
+from decode.kinds.eagle3 import decoding as eagle3
 from decode.kv_stream import KVStream, decoding
 from decode.output import Emitter, SpecOutput, SpecStats, eos_ids, pack
 

@@ -174,7 +174,8 @@ def first_divergences(spec: list[list[int]], target: list[list[int]]) -> list[di
 def speculative_method(draft: str | Path) -> str:
     """vLLM's ``speculative_config`` method: ``eagle3`` for an EAGLE-3 head folder, ``dflash`` for a DFlash
     draft's, else ``draft_model``."""
-    from decode.kinds import dflash, eagle3
+    from decode.kinds.dflash import decoding as dflash
+    from decode.kinds.eagle3 import decoding as eagle3
 
     if dflash.is_dflash_folder(draft):
         return "dflash"
@@ -184,7 +185,7 @@ def speculative_method(draft: str | Path) -> str:
 def draft_block(draft: str | Path) -> int | None:
     """The block of a folder whose draft proposes it in one forward (a P-EAGLE head's or a PARD draft's
     ``block_size``), else None."""
-    from decode.kinds.eagle3_formats import block_of
+    from decode.kinds.eagle3.formats import block_of
 
     try:
         raw = json.loads((Path(draft) / "config.json").read_text())
@@ -192,12 +193,12 @@ def draft_block(draft: str | Path) -> int | None:
         return None
     if not isinstance(raw, dict):
         return None
-    from decode.kinds import dflash
+    from decode.kinds.dflash import decoding as dflash
 
     if dflash.is_dflash_folder(draft):  # DFlash's block_size counts its first, verified position
         return dflash.folder_block(draft)
     if raw.get("pard_token") is not None:  # a PARD draft (vLLM reads pard_token; block_size is draftsmith's)
-        from decode.kinds.pard import MAX_BLOCK
+        from decode.kinds.pard.decoding import MAX_BLOCK
 
         return int(raw.get("block_size") or MAX_BLOCK)  # trained elsewhere, no block_size: the user's K decides
     return block_of(raw)
@@ -367,10 +368,10 @@ def draft_dir_for_vllm(target: str, draft: str, dtype: str, scratch: Path, trust
 
 def check_dflash_fits(target: str, draft: str, trust_remote_code: bool = False) -> None:
     """ValueError (one line) unless the DFlash draft in ``draft`` was built for ``target``'s vocabulary, hidden
-    width and layers (``decode.kinds.dflash.fitted_config``)."""
+    width and layers (``decode.kinds.dflash.decoding.fitted_config``)."""
     from transformers import AutoConfig
 
-    from decode.kinds import dflash
+    from decode.kinds.dflash import decoding as dflash
 
     raw = dflash.folder_config_dict(draft)
     dflash.fitted_config(raw, draft, AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code), target)
@@ -382,7 +383,7 @@ def check_eagle3_fits(target: str, head: str, trust_remote_code: bool = False) -
     layer: vLLM collects them as a sorted set of pre-norm layer inputs."""
     from transformers import AutoConfig
 
-    from decode.kinds import eagle3
+    from decode.kinds.eagle3 import decoding as eagle3
 
     tc = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code).get_text_config()
     hc = json.loads((Path(head) / "config.json").read_text())

@@ -17,6 +17,8 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
+from decode import kinds
+
 
 class RecipeError(ValueError):
     """A recipe or override is wrong; the message names the key and the fix (printed as one line)."""
@@ -38,6 +40,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 EAGLE3_VOCAB = 8192  # draft.kind=eagle3, draft.vocab_subset=0: the head's vocabulary (capped at the target's)
 GENERATION_ENGINES = ("hf", "vllm")  # what generates the target's continuations (distill.data.vllm_rollouts)
 ENGINES = ("draftsmith", "vllm")  # what measures a draft: draftsmith's own decoder, or vLLM (decode.vllm_engine)
+DraftKind = Literal[kinds.names()]  # draft.kind: the kinds of the registry (decode.kinds)
 
 
 @dataclass
@@ -95,7 +98,7 @@ class DraftConfig(ModelConfig):
     """The draft: a model to load (`model`), or one built from the target (`init: truncate`), or an EAGLE-3 head
     over the target's hidden states (`kind: eagle3`)."""
 
-    kind: Literal["standalone", "eagle3", "peagle", "pard", "dflash", "dspark"] = _f(
+    kind: DraftKind = _f(
         "standalone",
         "standalone: a small causal LM with the target's tokenizer; eagle3: a one-layer head that reads the "
         "target's own hidden states at three layers (decode.kinds.eagle3), built from the target (draft.model "
@@ -265,7 +268,7 @@ class DistillConfig:
     ttt_steps: int = _f(
         3,
         "draft.kind=eagle3: steps of the training-time test, the head fed its own output for each step after the "
-        "first (decode.kinds.eagle3.TTT_STEPS)",
+        "first (decode.kinds.eagle3.decoding.TTT_STEPS)",
     )
     step_weight: float = _f(
         0.8, "draft.kind=eagle3: unrolled step k's loss weighs step_weight**k (EAGLE-3's 0.8; 1: all equal)"
@@ -548,9 +551,21 @@ def _check_eval_minutes(recipe: Recipe) -> None:
     )
 
 
-BLOCK_KINDS = ("peagle", "pard", "dflash", "dspark")  # the kinds that draft a whole block in one forward
-DFLASH_KINDS = ("dflash", "dspark")  # DFlash's block over the target's states: target_layer_ids, distill.anchors
-KIND_KEYS = {"markov_rank": "dspark", "confidence_min": "dspark"}  # draft keys of one kind only: draft.<key> -> kind
+BLOCK_KINDS = tuple(n for n, t in kinds.KINDS.items() if t.block)  # the kinds that draft a whole block per forward
+# DFlash's block over the target's states: target_layer_ids, distill.anchors
+DFLASH_KINDS = tuple(n for n, t in kinds.KINDS.items() if t.dflash_backbone)
+
+
+def _own_keys() -> dict[str, str]:
+    """The draft keys exactly one kind lists in its recipe_keys: draft.<key> -> that kind."""
+    readers: dict[str, list[str]] = {}
+    for name, t in kinds.KINDS.items():
+        for key in t.recipe_keys:
+            readers.setdefault(key, []).append(name)
+    return {key: names[0] for key, names in readers.items() if len(names) == 1}
+
+
+KIND_KEYS = _own_keys()  # draft keys of one kind only: draft.<key> -> kind
 
 
 def _check_kind_keys(draft: DraftConfig) -> None:
@@ -574,19 +589,18 @@ def _check_kind_keys(draft: DraftConfig) -> None:
 
 
 def is_head(kind: str) -> bool:
-    """True for the draft kinds that read the target's hidden states and are built from the target (eagle3,
-    peagle, dflash): trained on its continuations, served next to it."""
-    return kind in ("eagle3", "peagle", "dflash", "dspark")
+    """True for the draft kinds that read the target's hidden states and are built from the target (their
+    ``reads_hidden_states`` trait): trained on its continuations, served next to it."""
+    found = kinds.KINDS.get(kind)
+    return found is not None and found.reads_hidden_states
 
 
 def _check_block(recipe: Recipe) -> None:
-    """A block kind (peagle, pard, dflash): the evaluations verify at most the block the draft is trained for."""
+    """A block kind (its ``block`` trait): the evaluations verify at most the block the draft is trained for."""
     spec = recipe.eval.num_draft_tokens
     if recipe.draft.kind not in BLOCK_KINDS or not (isinstance(spec, int) or str(spec).isdigit()):
         return
-    what = {"peagle": "P-EAGLE head", "pard": "PARD draft", "dflash": "DFlash draft", "dspark": "DSpark draft"}[
-        recipe.draft.kind
-    ]
+    what = kinds.traits(recipe.draft.kind).title
     _check(
         int(spec) <= recipe.draft.block_size,
         "eval.num_draft_tokens",

@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.kinds import eagle3
+from decode.kinds.eagle3 import decoding as eagle3
+from decode.kinds.eagle3 import train_step
 from distill.config import DistillConfig, load_recipe
 from distill.data.prompts import collate_training
-from distill.training import eagle3_train, teacher_cache
+from distill.training import teacher_cache
 from tests.procs import load_script
 from tests.tiny import tiny_llama
 
@@ -59,8 +60,8 @@ def by_hand(target, pairs, b: int, a: int) -> torch.Tensor:
 
 
 def standalone_step_loss():
-    """The standalone kind's step loss (distill.kinds.standalone: what train/distill.py's loop runs for it)."""
-    from distill.kinds.standalone import step_loss
+    """The standalone kind's step loss (decode.kinds.standalone.training: what train/distill.py's loop runs for it)."""
+    from decode.kinds.standalone.training import step_loss
 
     return step_loss
 
@@ -126,10 +127,10 @@ def test_standalone_rows_kept_in_the_teacher_cache_are_the_same_rows(target):
     assert len(cache) == len(pairs) and cache.hits >= 2 * len(pairs)
 
 
-# ------------------------------------------------------- EAGLE-3: distill/training/eagle3_train.py's step loss
+# ------------------------------------------------------- EAGLE-3: decode/kinds/eagle3/train_step.py's step loss
 
 
-class Prescribed(eagle3_train.Unrolled):
+class Prescribed(train_step.Unrolled):
     """The head as step_loss sees it, whose unrolled outputs are given (and whose inputs are recorded)."""
 
     def __init__(self, head: eagle3.Eagle3Head, outputs: list[torch.Tensor]) -> None:
@@ -167,7 +168,7 @@ def head_step(target, pairs, outputs, cfg: DistillConfig, cache=None) -> tuple[t
     batch = collate_training(pairs, 0, loss_positions=cfg.loss_positions)
     model = Prescribed(eagle3.build(target, DRAFT_IDS, aux_layers=[1, 2, 3]), outputs)
     keys = None if cache is None else [teacher_cache.sequence_key(*p) for p in pairs]
-    loss, stats = eagle3_train.step_loss(model, target, batch, cfg, cache=cache, keys=keys)
+    loss, stats = train_step.step_loss(model, target, batch, cfg, cache=cache, keys=keys)
     return loss, stats, model
 
 
@@ -194,14 +195,14 @@ def test_head_step_k_at_i_is_compared_with_the_targets_distribution_over_token_i
 def test_a_block_heads_position_k_at_i_is_compared_with_the_targets_distribution_over_token_i_plus_k_plus_2(target):
     """A P-EAGLE head trains every position of its block (draft.block_size, not distill.ttt_steps) on the same
     rows as the chain's steps."""
-    from decode.kinds import peagle
+    from decode.kinds.peagle import decoding as peagle
 
     pairs, cfg, block = pairs_of(), DistillConfig(loss="fkl"), 5
     batch = collate_training(pairs, 0, loss_positions=cfg.loss_positions)
     head = peagle.build(target, DRAFT_IDS, aux_layers=[1, 2, 3], block_size=block, mask_token_id=0)
     for shift, right in ((0, True), (1, False), (-1, False)):
         model = Prescribed(head, head_outputs(target, pairs, cfg.loss_positions, block, shift))
-        loss, stats = eagle3_train.step_loss(model, target, batch, cfg)
+        loss, stats = train_step.step_loss(model, target, batch, cfg)
         assert all((stats[f"train/loss_{k}"] < 1e-4) == right for k in range(block)), (shift, stats)
 
 
@@ -222,7 +223,7 @@ def test_head_reads_the_targets_aux_layers_at_its_own_position(target, kept):
     computed from the prefix up to i, whether from the step's target forward or the TargetCache."""
     pairs = pairs_of()
     cfg = DistillConfig()
-    cache = eagle3_train.TargetCache(target, cfg.temperature, max_gb=1.0) if kept else None
+    cache = train_step.TargetCache(target, cfg.temperature, max_gb=1.0) if kept else None
     outputs = head_outputs(target, pairs, cfg.loss_positions, cfg.ttt_steps)
     for _ in range(2 if kept else 1):  # kept: the second step reads the cache
         loss, stats, model = head_step(target, pairs, outputs, cfg, cache)
@@ -239,12 +240,12 @@ def test_head_reads_the_targets_aux_layers_at_its_own_position(target, kept):
             torch.testing.assert_close(features[b, i].float(), want, atol=1e-4, rtol=1e-4)
 
 
-# ---------------------------------------------------------------- PARD: distill/kinds/pard.py's step
+# ---------------------------------------------------------------- PARD: decode/kinds/pard/training.py's step
 
 
 class PrescribedLM(torch.nn.Module):
     """A PARD draft as the kind's step sees it: its one-pass block forward returns the given outputs (block
-    position k's [B, S, V] one after the other, as decode.kinds.pard.block_logits splits them)."""
+    position k's [B, S, V] one after the other, as decode.kinds.pard.decoding.block_logits splits them)."""
 
     def __init__(self, outputs: list[torch.Tensor], mask_token: int = 0) -> None:
         super().__init__()
@@ -279,11 +280,11 @@ def pard_outputs(target, pairs, loss_positions: str, block: int, shift: int = 0)
 def test_a_pard_drafts_position_k_at_i_is_compared_with_the_targets_distribution_over_token_i_plus_k_plus_1(
     target, overrides
 ):
-    """Through the kind's own step (distill.kinds.pard.loss_step): every block position trains on the target's row
-    of the token it drafts; one token off either way, no position does."""
+    """Through the kind's own step (decode.kinds.pard.training.loss_step): every block position trains on the
+    target's row of the token it drafts; one token off either way, no position does."""
     from types import SimpleNamespace
 
-    from distill.kinds import pard
+    from decode.kinds.pard import training as pard
 
     block = 4
     recipe = load_recipe(None, ["draft.kind=pard", f"draft.block_size={block}", *overrides])

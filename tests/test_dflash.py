@@ -1,4 +1,4 @@
-"""The DFlash kind (decode/kinds/dflash.py): a few layers that fill a whole block from the target's hidden states.
+"""The DFlash kind (decode/kinds/dflash/): a few layers that fill a whole block from the target's hidden states.
 
 Its training forward is its decoding path (block position k of anchor i, trained, equals position k of one block
 forward after the context up to i); greedy output equals target-only for fixed K and auto, batches included;
@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decode.kinds import dflash, kind_of
+from decode.kinds.dflash import decoding as dflash
+from decode.kinds.dispatch import kind_of
 from decode.speculative import speculative_generate, target_generate
 from tests.decode_helpers import chi_square_p_value, left_pad, model_sequence_probs
 from tests.test_eagle3 import features_of, tiny_target
@@ -101,7 +102,7 @@ def test_blocks_at_drawn_anchors_are_the_blocks_of_the_every_anchor_pass():
 
 
 def test_anchors_are_drawn_among_trainable_positions_without_repeats_and_by_the_seed():
-    from distill.kinds.dflash import pick_anchors
+    from decode.kinds.dflash.training import pick_anchors
 
     trainable = torch.zeros(3, 10, dtype=torch.bool)
     trainable[0, :8] = True
@@ -330,21 +331,21 @@ def _block_outputs(target, pairs, block: int, shift: int = 0) -> torch.Tensor:
 def test_block_position_k_at_i_is_compared_with_the_targets_distribution_over_token_i_plus_k_plus_1(
     small_target, anchors
 ):
-    """The training step's rows (distill.kinds.dflash.block_loss after the target's side): block position k of
+    """The training step's rows (decode.kinds.dflash.training.block_loss after the target's side): block position k of
     anchor i against the target's distribution over token i + k + 1, computed by hand from the prefix, whether
     every anchor is trained or a few drawn ones (distill.anchors); block outputs one token off either way are not
     what it trains towards."""
+    from decode.kinds.dflash.training import block_loss
+    from decode.kinds.eagle3 import train_step
     from distill.config import DistillConfig
     from distill.data.prompts import collate_training
-    from distill.kinds.dflash import block_loss
-    from distill.training import eagle3_train
     from tests.test_alignment import pairs_of
 
     pairs, block = pairs_of(), 3
     cfg = DistillConfig(loss="fkl", loss_positions="all", anchors=anchors)
     batch = collate_training(pairs, 0, loss_positions=cfg.loss_positions)
     draft = dflash.build(small_target, [0, 1, 2], block_size=block, mask_token_id=0)
-    side = eagle3_train.target_side(small_target, batch, draft, cfg.temperature)
+    side = train_step.target_side(small_target, batch, draft, cfg.temperature)
     for shift, right in ((0, True), (1, False), (-1, False)):
         model = Prescribed(draft, _block_outputs(small_target, pairs, block, shift))
         loss, stats = block_loss(model, side, batch, cfg)
@@ -403,12 +404,12 @@ def test_a_dflash_draft_trained_through_train_distill_is_accepted(learnable, tmp
     against targets one token off, about 0.001. (Low for this pair: its target's embedding is scaled 10x, and a
     DFlash draft's residual stream starts from that embedding, the mask token's at every drafted position, so the
     layers' updates must outgrow it; tests above hold each block position to its own target row.)"""
-    from distill.kinds import dflash as training
-    from distill.training import eagle3_train
+    from decode.kinds.dflash import training
+    from decode.kinds.eagle3 import train_step
 
     if off_by_one:
-        real = eagle3_train.target_side
-        monkeypatch.setattr(training.eagle3_train, "target_side", lambda *a, **k: _one_token_off(real(*a, **k)))
+        real = train_step.target_side
+        monkeypatch.setattr(training.train_step, "target_side", lambda *a, **k: _one_token_off(real(*a, **k)))
     before, after = trained_acceptance(learnable, tmp_path / "run", steps=100, lr=1e-2)
     assert before < 0.02, before
     assert (after > 0.015) != off_by_one, (before, after)
@@ -459,7 +460,7 @@ def anchors_a_run_trains(
     and its trainable positions, as the draft's training forward received them (the draw observed, not altered)."""
     import yaml
 
-    from distill.kinds import dflash as training
+    from decode.kinds.dflash import training
     from tests.procs import load_script, tiny_recipe, tiny_run_paths
 
     drawn: list = []  # pick_anchors' draws, in order: (trainable, anchors, chosen)

@@ -1,4 +1,4 @@
-"""The DSpark kind (decode/kinds/dspark.py, distill/kinds/dspark.py): a DFlash block draft plus a low-rank Markov
+"""The DSpark kind (decode/kinds/dspark/): a DFlash block draft plus a low-rank Markov
 bias chained through the block and a confidence head that ends a drafted block early.
 
 Its drafted token k is the argmax of the training pass's block position k when the true previous tokens are the
@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decode.kinds import dspark, kind_of
+from decode.kinds.dispatch import kind_of
+from decode.kinds.dspark import decoding as dspark
 from decode.speculative import speculative_generate, target_generate
 from tests.decode_helpers import chi_square_p_value, left_pad, model_sequence_probs
 from tests.test_eagle3 import features_of, tiny_target
@@ -29,9 +30,9 @@ RANK = 8
 def fit_dspark(target, steps: int = 80, confidence_min: float | None = 0.0, seed: int = 0) -> dspark.DSparkDraft:
     """A draft fitted for a few steps to the target's greedy continuations through the kind's own training loss
     (the block loss over Markov-biased logits and the confidence head's BCE), so that it accepts some tokens."""
+    from decode.kinds.dspark import training
+    from decode.kinds.eagle3.train_step import TargetSide, teacher_log_probs
     from distill.config import DistillConfig
-    from distill.kinds import dspark as training
-    from distill.training.eagle3_train import TargetSide, teacher_log_probs
 
     draft = dspark.build(target, None, num_layers=1, block_size=BLOCK, mask_token_id=1, markov_rank=RANK,
                          confidence_min=confidence_min)  # fmt: skip
@@ -74,7 +75,7 @@ def test_the_drafter_chains_the_markov_bias_of_each_drafted_token():
     position when the sequence goes on with the drafted tokens (the bias reads the token drafted at k - 1), and
     the Markov bias changes what is drafted (the test would pass for a draft without one otherwise)."""
     from decode.draft_length import FixedDraftLength
-    from decode.kinds import dflash
+    from decode.kinds.dflash import decoding as dflash
 
     target = tiny_target("llama")
     draft = _random_draft(target).eval()

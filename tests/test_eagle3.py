@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from decode.kinds import eagle3, kind_of
+from decode.kinds.dispatch import kind_of
+from decode.kinds.eagle3 import decoding as eagle3
 from decode.speculative import speculative_generate, target_generate
 from tests.decode_helpers import chi_square_p_value, left_pad, model_sequence_probs
 from tests.tiny import CHAR_VOCAB, tiny_config

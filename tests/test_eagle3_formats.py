@@ -1,4 +1,4 @@
-"""EAGLE-3 heads others trained (decode/kinds/eagle3_formats.py): the speculators format (with every variant vLLM
+"""EAGLE-3 heads others trained (decode/kinds/eagle3/formats.py): the speculators format (with every variant vLLM
 serves: ``norm_before_fc``, ``fc_norm``, ``norm_before_residual``, ``norm_output``), SafeAILab's original layout and
 SpecForge's export, each written here from its documented layout (tensor names, config keys), read into the native
 head.
@@ -26,7 +26,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from decode.kinds import eagle3, eagle3_formats
+from decode.kinds.eagle3 import decoding as eagle3
+from decode.kinds.eagle3 import formats as eagle3_formats
 from tests.test_distill_e2e import error_line, launch, run_script, write_recipe
 from tests.test_eagle3_train import head_recipe
 from tests.tiny import make_pair, make_prompts

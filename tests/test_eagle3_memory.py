@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from decode.kinds import eagle3
-from distill.training import eagle3_train
+from decode.kinds.eagle3 import decoding as eagle3
+from decode.kinds.eagle3 import train_step
 from tests.memory import TensorPeak
 from tests.tiny import tiny_config
 
@@ -55,7 +55,7 @@ def dense_unrolled(
     return out
 
 
-class DenseUnrolled(eagle3_train.Unrolled):
+class DenseUnrolled(train_step.Unrolled):
     """:class:`Unrolled` with the dense reference unroll, for comparing whole training steps."""
 
     def forward(self, ids, features, position_ids, key_valid, steps, recompute=False):
@@ -160,14 +160,14 @@ def test_target_forward_gives_every_hidden_state_forward_and_keeps_only_those(ar
     aux = [2, 6, 9]
     with torch.no_grad():
         full = target(**batch, output_hidden_states=True)
-    features, logits, last = eagle3_train.target_forward(target, batch, aux)
+    features, logits, last = train_step.target_forward(target, batch, aux)
     assert torch.equal(features, torch.cat([full.hidden_states[i] for i in aux], -1))
     assert torch.equal(logits, full.logits) and torch.equal(last, full.hidden_states[-1])
-    if not eagle3_train.keeps_selected_hidden_states():
+    if not train_step.keeps_selected_hidden_states():
         return  # this transformers keeps every state whatever it is asked: the same numbers, no saving to measure
     # What the forward holds: the 4 states read, not the 13 it computes
     with TensorPeak() as kept:
-        eagle3_train.target_forward(target, batch, aux)
+        train_step.target_forward(target, batch, aux)
     with TensorPeak() as every, torch.no_grad():
         target(**batch, output_hidden_states=True)
     state = 2 * 64 * target.config.hidden_size * 4

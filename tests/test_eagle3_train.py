@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.kinds import eagle3
+from decode.kinds.eagle3 import decoding as eagle3
+from decode.kinds.eagle3 import train_step
 from distill.config import DistillConfig, RecipeError, load_recipe
 from distill.data.prompts import collate_training
-from distill.training import eagle3_train, losses
+from distill.training import losses
 from tests.test_distill_e2e import (
     error_line,
     kill_at_checkpoint,
@@ -31,7 +32,7 @@ def test_loss_is_the_conditioned_divergence_scaled_by_the_in_vocabulary_mass(los
     g = torch.Generator().manual_seed(0)
     teacher, student = torch.randn(5, 40, generator=g) * 3, torch.randn(5, 12, generator=g)
     ids = torch.tensor([0, 3, 4, 9, 11, 17, 20, 21, 30, 33, 38, 39])
-    log_ps, log_pt = eagle3_train.step_log_probs(student, teacher, ids)
+    log_ps, log_pt = train_step.step_log_probs(student, teacher, ids)
     p = teacher.softmax(-1)
     in_mass = p[:, ids].sum(-1)
     conditioned = (p[:, ids] / in_mass[:, None]).log()
@@ -40,7 +41,7 @@ def test_loss_is_the_conditioned_divergence_scaled_by_the_in_vocabulary_mass(los
     assert torch.allclose(log_pt.exp().sum(-1), torch.ones(5), atol=1e-5)  # the tail bucket holds the rest
     # its optimum is the target conditioned on the draft vocabulary: loss 0 and no gradient there
     best = conditioned.clone().requires_grad_(True)
-    value = losses.divergence(*eagle3_train.step_log_probs(best, teacher, ids), loss, 0.3).mean()
+    value = losses.divergence(*train_step.step_log_probs(best, teacher, ids), loss, 0.3).mean()
     value.backward()
     assert float(value.detach()) < 1e-5
     if loss != "tvd":  # |x| has no gradient at its minimum
@@ -50,7 +51,7 @@ def test_loss_is_the_conditioned_divergence_scaled_by_the_in_vocabulary_mass(los
 def test_a_draft_vocabulary_of_every_token_gives_the_plain_divergence():
     g = torch.Generator().manual_seed(1)
     teacher, student = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g, requires_grad=True)
-    log_ps, log_pt = eagle3_train.step_log_probs(student, teacher, torch.arange(16))
+    log_ps, log_pt = train_step.step_log_probs(student, teacher, torch.arange(16))
     value = losses.divergence(log_ps, log_pt, "fkl")
     assert torch.allclose(value, losses.divergence(student.log_softmax(-1), teacher.log_softmax(-1), "fkl"))
     value.sum().backward()
@@ -69,18 +70,18 @@ def test_the_forward_kl_shortcut_equals_the_divergence_it_replaces(temperature):
     teacher[0, 5] = float("-inf")  # a masked token: p = 0 exactly
     student = torch.randn(6, 12, generator=g, requires_grad=True)
     ids = torch.tensor([0, 3, 4, 5, 9, 11, 17, 20, 21, 30, 33, 38])
-    log_pt = eagle3_train.teacher_log_probs(teacher, ids, temperature)
-    log_ps = eagle3_train.student_log_probs(student, log_pt[:, -1:], temperature)
+    log_pt = train_step.teacher_log_probs(teacher, ids, temperature)
+    log_ps = train_step.student_log_probs(student, log_pt[:, -1:], temperature)
     generic = losses.divergence(log_ps, log_pt, "fkl")
     (g_generic,) = torch.autograd.grad(generic.sum(), student)
-    shortcut = eagle3_train._FklTeacher.of(log_pt).rows(student, torch.arange(6), temperature)
+    shortcut = train_step._FklTeacher.of(log_pt).rows(student, torch.arange(6), temperature)
     (g_shortcut,) = torch.autograd.grad(shortcut.sum(), student)
     assert torch.allclose(shortcut, generic, atol=1e-5) and torch.allclose(g_shortcut, g_generic, atol=1e-6)
     # the same rows read out of a larger logits tensor, in another order, as a step reads a batch's rows
     wide = torch.randn(10, 12, generator=g).index_copy(0, torch.tensor([7, 1, 4, 9, 0, 2]), student.detach())
     wide.requires_grad_(True)
     picked = torch.tensor([7, 1, 4, 9, 0, 2])
-    read = eagle3_train._FklTeacher.of(log_pt).rows(wide, torch.arange(6), temperature, picked)
+    read = train_step._FklTeacher.of(log_pt).rows(wide, torch.arange(6), temperature, picked)
     (g_read,) = torch.autograd.grad(read.sum(), wide)
     assert torch.allclose(read, generic, atol=1e-5) and torch.allclose(g_read[picked], g_generic, atol=1e-6)
     assert not g_read[[3, 5, 6, 8]].any()
@@ -93,7 +94,7 @@ def test_the_forward_kl_shortcut_keeps_no_copies_of_the_logits_for_its_backward(
 
     g = torch.Generator().manual_seed(4)
     n, vd = 2048, 1024
-    fkl = eagle3_train._FklTeacher.of(torch.randn(n + 5, vd + 1, generator=g).log_softmax(-1))
+    fkl = train_step._FklTeacher.of(torch.randn(n + 5, vd + 1, generator=g).log_softmax(-1))
     student = torch.randn(n, vd, generator=g, requires_grad=True)
     with TensorPeak() as peak:
         fkl.rows(student, torch.arange(n) + 3, 0.8).mean().backward()
@@ -109,11 +110,11 @@ def test_step_loss_decreases_and_reports_every_unrolled_step():
     pairs = [(torch.randint(1, 97, (5,), generator=g).tolist(), torch.randint(1, 97, (20,), generator=g).tolist())]
     batch = collate_training(pairs * 4, 0)
     torch.manual_seed(0)
-    model = eagle3_train.Unrolled(eagle3.build(target, list(range(64))))
+    model = train_step.Unrolled(eagle3.build(target, list(range(64))))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     seen = []
     for _ in range(30):
-        loss, stats = eagle3_train.step_loss(model, target, batch, DistillConfig(loss="fkl"))
+        loss, stats = train_step.step_loss(model, target, batch, DistillConfig(loss="fkl"))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -157,8 +158,8 @@ def test_a_step_has_the_loss_and_gradients_of_the_dense_attention(arch, loss, re
     cfg = DistillConfig(loss=loss, temperature=0.8, recompute=recompute)
     params = [p for p in head.parameters() if p.requires_grad]
     results = []
-    for model in (eagle3_train.Unrolled(head), DenseUnrolled(head)):
-        value, stats = eagle3_train.step_loss(model, target, batch, cfg)
+    for model in (train_step.Unrolled(head), DenseUnrolled(head)):
+        value, stats = train_step.step_loss(model, target, batch, cfg)
         results.append((value.detach(), torch.autograd.grad(value, params), stats))
     (new, new_grads, new_stats), (old, old_grads, old_stats) = results
     torch.testing.assert_close(new, old, atol=1e-6, rtol=1e-5)
@@ -206,7 +207,7 @@ def test_standalone_recipes_are_unchanged():
 def test_target_config_checks(overrides, needle):
     recipe = load_recipe(None, ["draft.kind=eagle3", *overrides])
     with pytest.raises(ValueError) as err:
-        eagle3_train.check_target_config(tiny_config("llama", 97, layers=4), recipe)
+        train_step.check_target_config(tiny_config("llama", 97, layers=4), recipe)
     assert needle in str(err.value)
 
 
@@ -215,13 +216,13 @@ def test_a_target_without_decoder_layers_is_refused():
 
     recipe = load_recipe(None, ["draft.kind=eagle3"])
     with pytest.raises(ValueError, match="per-layer hidden states"):
-        eagle3_train.check_target_config(PretrainedConfig(vocab_size=97), recipe)
+        train_step.check_target_config(PretrainedConfig(vocab_size=97), recipe)
 
 
 def test_default_draft_vocabulary_is_capped_at_the_targets():
-    assert eagle3_train.vocab_size(0, 320) == 320
-    assert eagle3_train.vocab_size(0, 49152) == 8192
-    assert eagle3_train.vocab_size(100, 320) == 100
+    assert train_step.vocab_size(0, 320) == 320
+    assert train_step.vocab_size(0, 49152) == 8192
+    assert train_step.vocab_size(100, 320) == 100
 
 
 # ---------------------------------------------------------------- train/distill.py end to end
@@ -368,12 +369,12 @@ def test_a_kept_batch_gives_the_loss_and_gradient_of_the_target_forward(arch, lo
     ]
     batch = collate_training(pairs, 0, loss_positions="all")
     keys = [sequence_key(*p) for p in pairs]
-    model = eagle3_train.Unrolled(eagle3.build(target, list(range(0, 97, 2))))
+    model = train_step.Unrolled(eagle3.build(target, list(range(0, 97, 2))))
     cfg = DistillConfig(loss=loss, temperature=0.8)
-    cache = eagle3_train.TargetCache(target, cfg.temperature, max_gb=1.0)
+    cache = train_step.TargetCache(target, cfg.temperature, max_gb=1.0)
     results = []
     for _ in range(2):  # the first step runs the target and keeps the batch, the second reads it back
-        loss_value, stats = eagle3_train.step_loss(model, target, batch, cfg, cache=cache, keys=keys)
+        loss_value, stats = train_step.step_loss(model, target, batch, cfg, cache=cache, keys=keys)
         (grad,) = torch.autograd.grad(loss_value, model.head.fc.weight)
         results.append((loss_value.detach(), grad, stats))
     (first, g1, s1), (second, g2, s2) = results
@@ -390,11 +391,11 @@ def test_a_target_whose_logits_are_not_its_output_layer_is_never_read_from_the_c
     target.lm_head.forward = lambda h: torch.nn.functional.linear(h, target.lm_head.weight) * 0.5  # a logit scale
     pairs = [([5, 6, 7], list(range(10, 30)))]
     batch = collate_training(pairs, 0)
-    model = eagle3_train.Unrolled(eagle3.build(target, list(range(64))))
-    cache = eagle3_train.TargetCache(target, 1.0, max_gb=1.0)
+    model = train_step.Unrolled(eagle3.build(target, list(range(64))))
+    cache = train_step.TargetCache(target, 1.0, max_gb=1.0)
     keys = [sequence_key(*pairs[0])]
     for _ in range(2):
-        _, stats = eagle3_train.step_loss(model, target, batch, DistillConfig(), cache=cache, keys=keys)
+        _, stats = train_step.step_loss(model, target, batch, DistillConfig(), cache=cache, keys=keys)
         assert stats["train/teacher_forwards"] == 1.0
     assert cache.usable is False and len(cache) == 0
 
@@ -405,16 +406,16 @@ def test_rows_past_the_memory_bound_are_not_kept():
     target = tiny_llama(97, 0, layers=4).requires_grad_(False)
     pairs = [([5, 6, 7], list(range(10, 30))), ([8, 9], list(range(40, 60)))]
     batch = collate_training(pairs, 0)
-    model = eagle3_train.Unrolled(eagle3.build(target, list(range(64))))
+    model = train_step.Unrolled(eagle3.build(target, list(range(64))))
     one_row = 23 * (3 * 64 * 4 + 64 * 4 + 4 + 4)  # the first sequence's 23 tokens, float32 states
-    cache = eagle3_train.TargetCache(target, 1.0, max_gb=one_row / 1e9)
+    cache = train_step.TargetCache(target, 1.0, max_gb=one_row / 1e9)
     keys = [sequence_key(*p) for p in pairs]
-    eagle3_train.step_loss(model, target, batch, DistillConfig(), cache=cache, keys=keys)
+    train_step.step_loss(model, target, batch, DistillConfig(), cache=cache, keys=keys)
     assert len(cache) == 1 and cache.nbytes == one_row
     # What is counted is what is held: the kept rows own their storage, not views of the batch (its padding).
     held = sum(t.untyped_storage().nbytes() for entry in cache._entries.values() for t in entry)
     assert held == one_row
-    _, stats = eagle3_train.step_loss(model, target, batch, DistillConfig(), cache=cache, keys=keys)
+    _, stats = train_step.step_loss(model, target, batch, DistillConfig(), cache=cache, keys=keys)
     assert stats["train/teacher_forwards"] == 2.0  # a batch is read back only when every row is kept
 
 
@@ -438,8 +439,8 @@ def test_states_kept_while_generating_equal_the_training_forward_and_change_no_t
     gen = dict(max_new_tokens=12, temperature=0.0, eos_token_id=eos, pad_token_id=0)
     plain = generate_target_rollouts(examples, target, None, **gen)
     head = eagle3.build(target, list(range(0, 97, 2)))
-    cache = eagle3_train.TargetCache(target, 0.8, max_gb=1.0)
-    recorder = eagle3_train.GenerationRecorder(cache, head.aux_layers)
+    cache = train_step.TargetCache(target, 0.8, max_gb=1.0)
+    recorder = train_step.GenerationRecorder(cache, head.aux_layers)
     kept = generate_target_rollouts(examples, target, None, recorder=recorder, **gen)
     assert kept == plain  # observing the states changes no token
     assert len({len(c) for c in kept}) > 1 and any(c[-1] == eos for c in kept)
@@ -447,8 +448,8 @@ def test_states_kept_while_generating_equal_the_training_forward_and_change_no_t
     for example, completion in zip(examples, kept):
         pair = (example.prompt_ids, completion)
         batch = collate_training([pair], 0, loss_positions="all")
-        fresh = eagle3_train.target_side(target, batch, head, 0.8)
-        found = eagle3_train.target_side(target, batch, head, 0.8, cache, [sequence_key(*pair)])
+        fresh = train_step.target_side(target, batch, head, 0.8)
+        found = train_step.target_side(target, batch, head, 0.8, cache, [sequence_key(*pair)])
         assert (fresh.computed, found.computed) == (1, 0)
         assert torch.allclose(found.features, fresh.features, atol=1e-4)
         assert torch.allclose(found.log_p, fresh.log_p, atol=1e-4)
@@ -468,8 +469,8 @@ def test_a_target_whose_logits_are_not_its_output_layer_keeps_nothing_while_gene
         return out
 
     target.forward = scaled
-    cache = eagle3_train.TargetCache(target, 1.0, max_gb=1.0)
-    recorder = eagle3_train.GenerationRecorder(cache, [1, 2, 3])
+    cache = train_step.TargetCache(target, 1.0, max_gb=1.0)
+    recorder = train_step.GenerationRecorder(cache, [1, 2, 3])
     examples = [Example(0, [5, 6, 7]), Example(1, [8, 9])]
     generate_target_rollouts(
         examples, target, None, max_new_tokens=6, temperature=0.0, eos_token_id=[], pad_token_id=0, recorder=recorder

@@ -1,4 +1,4 @@
-"""The PARD kind (decode/kinds/pard.py, distill/kinds/pard.py): a draft LM that drafts its whole block in one
+"""The PARD kind (decode/kinds/pard/): a draft LM that drafts its whole block in one
 forward from mask tokens.
 
 Its training forward is its decoding path (block position k of anchor i, trained, equals the k-th output of one
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.kinds import kind_of, pard
+from decode.kinds.dispatch import kind_of
+from decode.kinds.pard import decoding as pard
 from decode.speculative import speculative_generate, target_generate
 from tests.decode_helpers import chi_square_p_value, left_pad, model_sequence_probs
 from tests.tiny import CHAR_VOCAB, tiny_llama
@@ -39,9 +40,9 @@ def continuations(target, prompts: torch.Tensor = PROMPTS, new: int = 26) -> tor
 
 
 def fit_pard(target, draft, steps: int = 80, shift: int = 0):
-    """``draft`` fitted for a few steps with the kind's own step loss (distill.kinds.pard.block_loss) to the
+    """``draft`` fitted for a few steps with the kind's own step loss (decode.kinds.pard.training.block_loss) to the
     target's greedy continuations; ``shift`` moves every block position's teacher (a deliberately wrong step)."""
-    from distill.kinds.pard import block_loss
+    from decode.kinds.pard.training import block_loss
 
     ids = continuations(target)
     valid = torch.ones_like(ids, dtype=torch.bool)

@@ -1,4 +1,4 @@
-"""The P-EAGLE kind (decode/kinds/peagle.py): a head that drafts its whole block in one forward.
+"""The P-EAGLE kind (decode/kinds/peagle/): a head that drafts its whole block in one forward.
 
 Its training unroll is its decoding path (block position k of anchor i, trained, equals the k-th output of one
 block forward from i); greedy output equals target-only for every block size and batch; sampled output follows
@@ -12,7 +12,9 @@ import json
 import pytest
 import torch
 
-from decode.kinds import eagle3, kind_of, peagle
+from decode.kinds.dispatch import kind_of
+from decode.kinds.eagle3 import decoding as eagle3
+from decode.kinds.peagle import decoding as peagle
 from decode.speculative import speculative_generate, target_generate
 from tests.decode_helpers import chi_square_p_value, left_pad, model_sequence_probs
 from tests.test_eagle3 import features_of, tiny_target

@@ -78,7 +78,7 @@ def eagle3_head(directory: Path, vocab: int = CHAR_VOCAB, aux: list[int] | None 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from decode.kinds import eagle3
+    from decode.kinds.eagle3 import decoding as eagle3
 
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(tiny_config("llama", vocab, **{"num_hidden_layers": 4, **config}))
@@ -97,7 +97,7 @@ def _random_target(vocab: int = CHAR_VOCAB):
 
 def dflash_folder(directory: Path, vocab: int = CHAR_VOCAB, block: int = 4) -> str:
     """A DFlash draft folder (as train/distill.py's best/ of a dflash run) of `block` for a `vocab`-token target."""
-    from decode.kinds import dflash
+    from decode.kinds.dflash import decoding as dflash
 
     dflash.save(dflash.build(_random_target(vocab), None, num_layers=1, block_size=block, mask_token_id=1), directory)
     return str(directory)
@@ -105,7 +105,8 @@ def dflash_folder(directory: Path, vocab: int = CHAR_VOCAB, block: int = 4) -> s
 
 def peagle_folder(directory: Path) -> str:
     """A P-EAGLE head folder of block 4 (as a peagle run's best/) for the `deep` target."""
-    from decode.kinds import eagle3, peagle
+    from decode.kinds.eagle3 import decoding as eagle3
+    from decode.kinds.peagle import decoding as peagle
 
     head = eagle3.build(_random_target(), list(range(16)), None)
     eagle3.save(peagle.with_mask(head, block_size=4, mask_token_id=1), directory)

@@ -834,7 +834,7 @@ def test_a_weak_draft_publishes_the_faster_hf_defaults(run_dir, tmp_path):
 @pytest.fixture(scope="module")
 def eagle3_run(run_dir, tmp_path_factory) -> Path:
     """A run whose best/ is an EAGLE-3 head (eagle3.save) for run_dir's target, with its eval and recipe."""
-    from decode.kinds import eagle3
+    from decode.kinds.eagle3 import decoding as eagle3
 
     root = tmp_path_factory.mktemp("eagle3-publish")
     # run_dir's target with 4 layers: a head fuses 3 distinct layers below the last
@@ -899,7 +899,7 @@ def test_an_eagle3_card_says_what_the_head_drafts_from_and_how_to_load_it(eagle3
     """The head has no full output layer and no draft_vocab.json: its lm_head is the draft vocabulary (d2t/t2d),
     which every engine drafts from. The card and the folder's config.json say it is not an AutoModelForCausalLM
     (which indeed cannot load it), and how vLLM, SGLang and draftsmith load it."""
-    from decode.kinds import eagle3
+    from decode.kinds.eagle3 import decoding as eagle3
 
     out = Path(pub.publish(eagle3_run, "someone/tiny-eagle3", dry_run_dir=tmp_path / "pub"))
     card = (out / "README.md").read_text()
@@ -1023,7 +1023,8 @@ def test_card_vllm_lines_follow_the_recipes_draft_sample_method():
 @pytest.fixture(scope="module")
 def peagle_run(eagle3_run, tmp_path_factory) -> Path:
     """eagle3_run with best/ replaced by a P-EAGLE head of block 3 for the same target."""
-    from decode.kinds import eagle3, peagle
+    from decode.kinds.eagle3 import decoding as eagle3
+    from decode.kinds.peagle import decoding as peagle
 
     run = tmp_path_factory.mktemp("peagle-publish") / "run"
     shutil.copytree(eagle3_run, run)
@@ -1059,7 +1060,7 @@ def test_a_peagle_head_is_published_with_parallel_drafting_launch_lines(peagle_r
     info = json.loads((out / "draftsmith_eval.json").read_text())
     assert info["draft_kind"] == "peagle" and info["block_size"] == 3
 
-    from decode.kinds import eagle3
+    from decode.kinds.eagle3 import decoding as eagle3
 
     readme = eagle3.readme(config, "org/tiny-target")
     assert readme.startswith("# P-EAGLE draft head") and '"parallel_drafting": true' in readme
@@ -1071,7 +1072,7 @@ def test_a_peagle_head_is_published_with_parallel_drafting_launch_lines(peagle_r
 @pytest.fixture(scope="module")
 def dflash_run(eagle3_run, tmp_path_factory) -> Path:
     """eagle3_run with best/ replaced by a DFlash draft of block 3 for the same target."""
-    from decode.kinds import dflash
+    from decode.kinds.dflash import decoding as dflash
 
     run = tmp_path_factory.mktemp("dflash-publish") / "run"
     shutil.copytree(eagle3_run, run)
@@ -1114,7 +1115,7 @@ def test_a_pard_draft_is_published_with_parallel_drafting_launch_lines(run_dir, 
     """best/ a PARD draft (block 3): config.json keeps pard_token and block_size (what vLLM's draft_model proposer
     reads); the card names the kind and its block, gives vLLM's draft_model line with parallel_drafting and at most
     the block's tokens, and no HF assisted or SGLang line."""
-    from decode.kinds import pard
+    from decode.kinds.pard import decoding as pard
     from distill.publishing.publish import build_publish_folder
 
     run = tmp_path / "run"

@@ -536,7 +536,7 @@ def save_eagle3_head(target_dir: str, out: Path, aux_layers=(1, 2, 3), every: in
     zero; 1: the whole vocabulary, saved without d2t)."""
     from transformers import AutoModelForCausalLM
 
-    from decode.kinds import eagle3
+    from decode.kinds.eagle3 import decoding as eagle3
 
     target = AutoModelForCausalLM.from_pretrained(target_dir)
     torch.manual_seed(0)
@@ -591,7 +591,7 @@ def test_eagle3_head_runs_in_vllm_with_no_speculative_flags(vllm_ok, tmp_path, p
 
 
 def eagle3_ttt_steps() -> int:
-    from decode.kinds.eagle3 import TTT_STEPS
+    from decode.kinds.eagle3.decoding import TTT_STEPS
 
     return TTT_STEPS
 
@@ -635,18 +635,18 @@ def fitted_eagle3_head(
     lr: float = 1e-2,
 ) -> Path:
     """An EAGLE-3 head (a P-EAGLE head of ``block`` tokens if given) fitted for ``steps`` steps
-    (distill.training.eagle3_train's step loss, float32) to the saved target's greedy continuations of ``prompts``,
+    (decode.kinds.eagle3.train_step's step loss, float32) to the saved target's greedy continuations of ``prompts``,
     so that it proposes what the target writes there and accepts most of its drafts. Its draft vocabulary: the
     whole vocabulary (``every=1``: padding included, saved without d2t), or every other id plus every id the target
     writes on the prompts (``every=2``: d2t offsets not all zero)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from decode.kinds import eagle3
+    from decode.kinds.eagle3 import decoding as eagle3
+    from decode.kinds.eagle3 import train_step
     from decode.prompts import encode_prompts
     from decode.speculative import target_generate
     from distill.config import DistillConfig
     from distill.data.prompts import collate_training
-    from distill.training import eagle3_train
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().requires_grad_(False)
     ids = encode_prompts(AutoTokenizer.from_pretrained(target_dir), prompts)
@@ -656,14 +656,14 @@ def fitted_eagle3_head(
     torch.manual_seed(0)
     head = eagle3.build(target, list(draft_ids), aux_layers=[1, 2, 3])
     if block:
-        from decode.kinds import peagle
+        from decode.kinds.peagle import decoding as peagle
 
         head = peagle.with_mask(head, block_size=block, mask_token_id=VOCAB - 1)
-    model = eagle3_train.Unrolled(head)
+    model = train_step.Unrolled(head)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     batch = collate_training(pairs, 0)
     for _ in range(steps):
-        loss, _ = eagle3_train.step_loss(model, target, batch, DistillConfig())
+        loss, _ = train_step.step_loss(model, target, batch, DistillConfig())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -671,18 +671,18 @@ def fitted_eagle3_head(
 
 
 def fitted_dflash_draft(target_dir: str, out: Path, prompts: list[dict], steps: int = 300, lr: float = 3e-3) -> Path:
-    """A DFlash draft (one layer, a block of 3) fitted for ``steps`` steps (distill.kinds.dflash's block loss,
+    """A DFlash draft (one layer, a block of 3) fitted for ``steps`` steps (decode.kinds.dflash.training's block loss,
     float32) to the saved target's greedy continuations of ``prompts``, so that it proposes what the target
     writes there."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from decode.kinds import dflash
+    from decode.kinds.dflash import decoding as dflash
+    from decode.kinds.dflash.training import Blocks, block_loss
+    from decode.kinds.eagle3 import train_step
     from decode.prompts import encode_prompts
     from decode.speculative import target_generate
     from distill.config import DistillConfig
     from distill.data.prompts import collate_training
-    from distill.kinds.dflash import Blocks, block_loss
-    from distill.training import eagle3_train
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().requires_grad_(False)
     ids = encode_prompts(AutoTokenizer.from_pretrained(target_dir), prompts)
@@ -692,7 +692,7 @@ def fitted_dflash_draft(target_dir: str, out: Path, prompts: list[dict], steps: 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     batch = collate_training(pairs, 0)
     cfg = DistillConfig()
-    side = eagle3_train.target_side(target, batch, model.draft, cfg.temperature)
+    side = train_step.target_side(target, batch, model.draft, cfg.temperature)
     for _ in range(steps):
         loss, _ = block_loss(model, side, batch, cfg)
         optimizer.zero_grad()
@@ -748,7 +748,7 @@ def test_hf_assisted_on_a_dflash_draft_is_one_error_line(tmp_path, padded_pair):
     its block likewise."""
     from transformers import AutoModelForCausalLM
 
-    from decode.kinds import dflash
+    from decode.kinds.dflash import decoding as dflash
 
     target, _, prompt_file = padded_pair
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
@@ -772,7 +772,8 @@ def served_as_trained(target: str, draft: str, best: Path, prompt_file: str, kin
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from decode.bench import run_bench
-    from decode.kinds import dflash, eagle3
+    from decode.kinds.dflash import decoding as dflash
+    from decode.kinds.eagle3 import decoding as eagle3
     from decode.prompts import load_prompts
     from distill.training.engines import acceptance_gaps, measure_extra_engines
 
@@ -846,7 +847,7 @@ def test_peagle_head_in_vllm_drafts_its_block_in_parallel_and_matches_target_onl
     with no speculative flags serves it the same way."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from decode.kinds import eagle3
+    from decode.kinds.eagle3 import decoding as eagle3
     from decode.prompts import load_prompts
 
     target, draft, prompt_file = padded_pair
@@ -872,15 +873,15 @@ def test_peagle_head_in_vllm_drafts_its_block_in_parallel_and_matches_target_onl
 
 def fitted_pard_draft(target_dir: str, draft_dir: str, out: Path, prompts: list[dict], block: int = 3) -> Path:
     """The pair's draft made a PARD draft of ``block`` (mask token: the last id of the tokenizer) and fitted for 200
-    steps (distill.kinds.pard.block_loss, float32) to the target's greedy continuations of ``prompts``, so that
+    steps (decode.kinds.pard.training.block_loss, float32) to the target's greedy continuations of ``prompts``, so that
     every block position proposes what the target writes there; saved as an HF checkpoint."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from decode.kinds import pard
+    from decode.kinds.pard import decoding as pard
+    from decode.kinds.pard.training import block_loss
     from decode.prompts import encode_prompts
     from decode.speculative import target_generate
     from distill.data.prompts import collate_training
-    from distill.kinds.pard import block_loss
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

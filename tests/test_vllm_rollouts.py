@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
+from decode.kinds.eagle3.train_step import target_forward
 from decode.vllm_engine import INSTALL
 from distill.config import RecipeError, load_recipe
 from distill.data import vllm_rollouts
 from distill.data.prompts import collate_training
-from distill.training.eagle3_train import target_forward
 from tests.procs import run_distill, tiny_recipe, tiny_run_paths
 from tests.tiny import tiny_llama
 
@@ -98,7 +98,7 @@ def test_captured_features_reproduce_the_logits_and_a_wrong_layer_is_caught(targ
 
 def test_prefilled_states_are_the_training_steps_own(target):
     """What the prefill keeps for a sequence is what a training step's own target forward computes for it."""
-    from distill.training.eagle3_train import GenerationRecorder, TargetCache
+    from decode.kinds.eagle3.train_step import GenerationRecorder, TargetCache
     from distill.training.teacher_cache import sequence_key
 
     pairs, batch = _batch()

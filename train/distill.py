@@ -85,7 +85,7 @@ def resolve_local_artifacts(recipe: Recipe, rebuild: bool, is_main: bool) -> Non
     from distill.data.quickstart import ensure_stdlib_prompts
     from distill.training.pretraining import ensure_quickstart_pair, quickstart_cache_dir
 
-    needs_draft = kinds.get(recipe.draft.kind).LOADS_DRAFT_MODEL  # else the draft is built from the target
+    needs_draft = kinds.get(recipe.draft.kind).TRAITS.loads_draft_model  # else the draft is built from the target
     if rebuild or not (recipe.target.model and (recipe.draft.model or not needs_draft)):
         target, draft = ensure_quickstart_pair(rebuild=rebuild and is_main, progress=is_main)
         recipe.target.model = recipe.target.model or str(target)
@@ -216,7 +216,8 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     draft, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
     engine = distributed.report_engine(accelerator, accelerator.unwrap_model(draft))
     # None (the target alone): a sharded draft, or a kind that cannot draft without the target's states
-    rollout_draft = distributed.rollout_draft(accelerator.unwrap_model(draft)) if kind.GENERATES_ROLLOUTS else None
+    rollouts = kind.TRAITS.generates_rollouts
+    rollout_draft = distributed.rollout_draft(accelerator.unwrap_model(draft)) if rollouts else None
     accelerator.init_trackers(
         recipe.log.project, config={**to_dict(recipe), "distributed": engine}, init_kwargs=init_kwargs
     )

@@ -1,85 +1,63 @@
-"""Draft kinds: how a draft turns what the target computed into proposals.
+"""Draft kinds: one folder each, its traits declared once.
 
-A kind is one module: how it is built, what a training step feeds it, how it proposes in the decoder, how it is
-saved for the engines that serve it. The decoder (``decode.speculative``) talks to a kind through a *drafter*,
-the draft's state during one decoding call:
+    decode/kinds/<kind>/__init__.py   TRAITS: what the kind is (:class:`decode.kinds.traits.KindTraits`), torch-free
+    decode/kinds/<kind>/decoding.py   the model and its drafter in draftsmith's decoder (``decode.kinds.dispatch``)
+    decode/kinds/<kind>/training.py   how train/distill.py builds, trains and saves it (``distill.kinds.interface``)
 
-    drafter.aux_layers                  target layers whose hidden states the drafter needs (None: none)
-    drafter.propose(controller, cap, proc, greedy, generator) -> (tokens [B, g], q [B, g, V] or None)
-    drafter.update(verified)            after the target's verify pass: what was fed, accepted and its features
-    drafter.select(rows)                keep only these batch rows
-    drafter.forwards                    draft forwards run
+This file is the registry: one import and one entry per kind, in the order kinds are listed. It stays torch-free
+(the recipe checks draft.kind against it); :func:`decoding` and :func:`training` import a kind's modules when
+asked. docs/draft-kinds.md has the table of what each kind does and what adding one touches.
 
-The accept/reject rule, the bench and best/ selection stay the same for every kind.
-
-    standalone   a small causal LM with the target's tokenizer (decode.kinds.standalone)
-    eagle3       a one-layer head over three of the target's hidden layers (decode.kinds.eagle3)
-    peagle       an EAGLE-3 head that drafts a whole block in one forward (decode.kinds.peagle)
-    pard         a standalone draft LM that drafts a whole block in one forward from mask tokens (decode.kinds.pard)
-    dflash       a few layers filling a whole block from the target's hidden states in one pass (decode.kinds.dflash)
-    dspark       a DFlash block plus a Markov bias chained through it, a confidence cut (decode.kinds.dspark)
+    standalone   a small causal LM with the target's tokenizer
+    eagle3       a one-layer head over three of the target's hidden layers
+    peagle       an EAGLE-3 head that drafts a whole block in one forward
+    pard         a standalone draft LM that drafts a whole block in one forward from mask tokens
+    dflash       a few layers filling a whole block from the target's hidden states in one pass
+    dspark       a DFlash block plus a Markov bias chained through it, a confidence cut
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+import importlib
+from types import ModuleType
 
 from decode.kinds import dflash, dspark, eagle3, pard, peagle, standalone
-from decode.kinds.standalone import Verified
+from decode.kinds.traits import KindTraits
 
-# the registry: each kind's module, in the order kind_of reports them (a new kind: its module, and one line here).
-# A module gives ``NAME``, ``BLOCK`` (a whole block per draft forward), ``drafter(draft, batch, vocab, input_ids,
-# prompt_mask)``, ``cost_stream(model, batch)``, ``block_of(draft)`` (None for a chain) and
-# ``check_draft_length(draft, gamma)``.
-MODULES = {m.NAME: m for m in (standalone, eagle3, peagle, pard, dflash, dspark)}
-KINDS = tuple(MODULES)
-BLOCK_KINDS = tuple(name for name, m in MODULES.items() if m.BLOCK)  # a whole block per draft forward
+# the registry: draft.kind -> its traits (a new kind: its folder, and one line here)
+KINDS: dict[str, KindTraits] = {
+    standalone.TRAITS.name: standalone.TRAITS,
+    eagle3.TRAITS.name: eagle3.TRAITS,
+    peagle.TRAITS.name: peagle.TRAITS,
+    pard.TRAITS.name: pard.TRAITS,
+    dflash.TRAITS.name: dflash.TRAITS,
+    dspark.TRAITS.name: dspark.TRAITS,
+}
 
-__all__ = [
-    "BLOCK_KINDS",
-    "KINDS",
-    "MODULES",
-    "Verified",
-    "capped_draft_length",
-    "check_draft_length",
-    "cost_stream",
-    "drafter_for",
-    "forwards_per_round",
-    "kind_of",
-]
+__all__ = ["KINDS", "KindTraits", "decoding", "names", "training", "traits"]
 
 
-def kind_of(draft: nn.Module) -> str:
-    """The kind of a loaded draft: its ``kind`` attribute (an EAGLE-3, P-EAGLE or DFlash draft has one), ``pard``
-    for a draft LM whose config has a ``pard_token``, else ``standalone``."""
-    return getattr(draft, "kind", None) or (pard.NAME if pard.is_pard(draft) else standalone.NAME)
+def names() -> tuple[str, ...]:
+    """Every kind's name, in the registry's order."""
+    return tuple(KINDS)
 
 
-def drafter_for(draft: nn.Module, batch: int, vocab: int, input_ids: torch.Tensor, prompt_mask: torch.Tensor):
-    """The drafter of ``draft``'s kind for one decoding call over ``input_ids`` [B, P] (``prompt_mask`` [B, P])."""
-    return MODULES[kind_of(draft)].drafter(draft, batch, vocab, input_ids, prompt_mask)
+def traits(name: str) -> KindTraits:
+    """The traits of draft kind ``name``.
+
+    Raises:
+        ValueError: no such kind, naming the kinds there are.
+    """
+    if name not in KINDS:
+        raise ValueError(f"draft.kind={name!r} is not a draft kind: use one of {', '.join(KINDS)}")
+    return KINDS[name]
 
 
-def cost_stream(model: nn.Module, batch: int):
-    """What ``decode.metrics.ForwardCostMeter`` times a model's KV-cached forwards through, by kind."""
-    return MODULES[kind_of(model)].cost_stream(model, batch)
+def decoding(name: str) -> ModuleType:
+    """The decoding module of kind ``name`` (``decode.kinds.<name>.decoding``; imports torch)."""
+    return importlib.import_module(f"{__name__}.{traits(name).name}.decoding")
 
 
-def forwards_per_round(draft: nn.Module, gamma: float) -> float:
-    """Draft forwards a round of ``gamma`` drafted tokens costs: one for a block draft, gamma for a chain."""
-    return 1.0 if kind_of(draft) in BLOCK_KINDS else gamma
-
-
-def check_draft_length(draft: nn.Module, gamma: int) -> None:
-    """ValueError when a fixed ``gamma`` is above the block a block draft was trained for (a chain: no limit)."""
-    MODULES[kind_of(draft)].check_draft_length(draft, gamma)
-
-
-def capped_draft_length(draft: nn.Module, gamma: int | str) -> int | str:
-    """``gamma`` capped at a block draft's trained block (for loops whose draft length is a speed setting only,
-    as the target's rollouts); ``auto`` and chains as they are."""
-    block = MODULES[kind_of(draft)].block_of(draft)
-    if not isinstance(gamma, int) or block is None:
-        return gamma
-    return min(gamma, int(block))
+def training(name: str) -> ModuleType:
+    """The training module of kind ``name`` (``decode.kinds.<name>.training``; imports torch and distill)."""
+    return importlib.import_module(f"{__name__}.{traits(name).name}.training")

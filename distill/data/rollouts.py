@@ -81,13 +81,13 @@ def generate_target_rollouts(
     """Target-distributed continuations of `examples`, one batch: speculative decoding with `draft` (lossless),
     or the target alone when `draft` is None or `num_draft_tokens` is 0 (a starting draft too weak to pay for
     its own forwards, such as an untrained truncated one). `recorder`
-    (:class:`distill.training.eagle3_train.GenerationRecorder`, the target alone only) keeps the target's side of each
+    (:class:`decode.kinds.eagle3.train_step.GenerationRecorder`, the target alone only) keeps the target's side of each
     sequence as it is generated.
 
     Returns:
         per example, the new token ids (EOS included when generated, nothing after it).
     """
-    from decode.kinds import capped_draft_length
+    from decode.kinds.dispatch import capped_draft_length
     from decode.speculative import speculative_generate, target_generate
 
     batch = _prompt_batch(examples, pad_token_id, _device(target))

@@ -343,7 +343,7 @@ def check_captured_features(
 def prefill_recorder(
     target: nn.Module, recorder: Any, pairs: Sequence[tuple[list[int], list[int]]], pad_token_id: int
 ) -> None:
-    """Give `recorder` (:class:`distill.training.eagle3_train.GenerationRecorder`) the target's side of each (prompt,
+    """Give `recorder` (:class:`decode.kinds.eagle3.train_step.GenerationRecorder`) the target's side of each (prompt,
     completion), as its generation would have: right-padded batches of similar length, one forward each."""
     decoder_layers, norm = _decoder_parts(target)
     aux = list(recorder.layers[:-1])  # the features; the last entry is the output layer's input

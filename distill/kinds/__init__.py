@@ -1,7 +1,8 @@
 """Draft kinds on the training side: how train/distill.py builds, trains, evaluates and saves each kind of draft.
 
-A kind is one module here (its decoding side is the module of the same name in ``decode.kinds``), and one line
-in :data:`KINDS`. train/distill.py names no kind: it calls the functions of :class:`Kind` on the module
+A kind is one folder, ``decode/kinds/<kind>/``: its traits in ``__init__.py`` (registered in ``decode.kinds``), its
+decoding side in ``decoding.py``, its training side in ``training.py`` (a module with the functions of
+:class:`Kind`). train/distill.py names no kind: it calls the functions of :class:`Kind` on the module
 ``get(recipe.draft.kind)`` returns, in this order:
 
     kind.check_inputs(recipe, target, ...)       preflight: refuse a recipe the kind cannot train, one line
@@ -15,18 +16,12 @@ in :data:`KINDS`. train/distill.py names no kind: it calls the functions of :cla
     kind.served(model)                           eval and save: the model as its engines serve it
     kind.save_checkpoint(draft, folder, ...)     a checkpoint's draft files, in the format its engines read
 
-and reads four facts: ``LOADS_DRAFT_MODEL`` (draft.model is a model to load), ``HF_ASSISTED`` (HF assisted
-generation can run it), ``GENERATES_ROLLOUTS`` (it can speed up the target's rollouts as a speculative draft),
-``FOLDER_KINDS`` (the kinds of saved draft folder draft.model may hold: :func:`folder_kind`).
+and reads its facts from ``kind.TRAITS`` (:class:`decode.kinds.traits.KindTraits`): ``loads_draft_model``
+(draft.model is a model to load), ``hf_assisted`` (HF assisted generation can run it), ``generates_rollouts`` (it
+can speed up the target's rollouts as a speculative draft), ``folder_kinds`` (the kinds of saved draft folder
+draft.model may hold: :func:`folder_kind`), ``description`` (what it is, for messages).
 The accept/reject rule, the bench, best/ selection, W&B, resume and publish are the same for every kind.
 docs/draft-kinds.md has the table of what each kind does.
-
-    standalone   a small causal LM with the target's tokenizer (distill.kinds.standalone)
-    eagle3       a one-layer head over three of the target's hidden layers (distill.kinds.eagle3)
-    peagle       an EAGLE-3 head that drafts a whole block in one forward (distill.kinds.peagle)
-    pard         a standalone draft LM that drafts a whole block in one forward from mask tokens (distill.kinds.pard)
-    dflash       a few layers filling a whole block from the target's hidden states in one pass (distill.kinds.dflash)
-    dspark       a DFlash block plus a Markov bias chained through it, a confidence cut (distill.kinds.dspark)
 """
 
 from __future__ import annotations
@@ -34,25 +29,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from decode import kinds as registry
 from distill.config import Recipe
-from distill.kinds import dflash, dspark, eagle3, pard, peagle, standalone
 from distill.kinds.interface import Kind, StepLoss
 
 __all__ = ["KINDS", "Kind", "StepLoss", "engine_limits", "folder_kind", "get"]
 
-# the registry: draft.kind -> its module (a new kind: its module, and one line here)
-KINDS: dict[str, Kind] = {
-    standalone.NAME: standalone,
-    eagle3.NAME: eagle3,
-    peagle.NAME: peagle,
-    pard.NAME: pard,
-    dflash.NAME: dflash,
-    dspark.NAME: dspark,
-}
+# draft.kind -> its training module, in the registry's order (decode.kinds: a new kind is one line there)
+KINDS: dict[str, Kind] = {name: registry.training(name) for name in registry.names()}
 
 
 def get(name: str) -> Kind:
-    """The module of draft kind ``name`` (``recipe.draft.kind``; ``decode.kinds.kind_of`` of a loaded draft).
+    """The training module of draft kind ``name`` (``recipe.draft.kind``; ``decode.kinds.dispatch.kind_of`` of a
+    loaded draft).
 
     Raises:
         ValueError: no such kind, naming the kinds there are.
@@ -65,10 +54,10 @@ def get(name: str) -> Kind:
 def engine_limits(recipe: Recipe, kind: Kind) -> str | None:
     """Turn off what the recipe asks of an engine that cannot run ``kind`` (eval.hf_assisted); the note to print,
     or None."""
-    if kind.HF_ASSISTED or not recipe.eval.hf_assisted:
+    if kind.TRAITS.hf_assisted or not recipe.eval.hf_assisted:
         return None
     recipe.eval.hf_assisted = False
-    return f"note: eval.hf_assisted=false: HF assisted generation cannot run {kind.DESCRIPTION}"
+    return f"note: eval.hf_assisted=false: HF assisted generation cannot run {kind.TRAITS.description}"
 
 
 def folder_kind(path: str) -> str | None:
@@ -76,7 +65,6 @@ def folder_kind(path: str) -> str | None:
     writes it with every draft it builds from the target), else the kind its layout marks (an EAGLE-3, P-EAGLE or
     DFlash config, a PARD draft's ``pard_token``: ``decode.vllm_engine.draft_kind``). None for a plain causal LM,
     which any kind that loads a draft LM reads, and for what is not a local folder (a hub id, a GGUF file)."""
-    from decode.kinds import KINDS as SAVED_KINDS
     from decode.vllm_engine import draft_kind
 
     try:
@@ -87,5 +75,6 @@ def folder_kind(path: str) -> str | None:
         return None
     recorded = raw.get("draftsmith")
     recorded = recorded.get("draft_kind") if isinstance(recorded, dict) else None
-    found = recorded if recorded in SAVED_KINDS else draft_kind(str(Path(path).expanduser()))
-    return None if found == standalone.NAME else found
+    found = recorded if recorded in registry.KINDS else draft_kind(str(Path(path).expanduser()))
+    # a kind that starts from no saved kind of folder (standalone) saves a plain causal LM: no kind to keep to
+    return found if registry.traits(found).folder_kinds else None

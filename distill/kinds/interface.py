@@ -1,4 +1,5 @@
-"""The small interface every training-side draft kind provides (see distill.kinds for the order of the calls)."""
+"""The small interface every training-side draft kind provides (``decode.kinds.<kind>.training``; see distill.kinds
+for the order of the calls)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from decode.kinds.traits import KindTraits
 from distill.config import Recipe
 
 
@@ -27,12 +29,7 @@ class StepLoss:
 class Kind(Protocol):
     """What a kind's module provides (module attributes and functions; see the module docstring for the order)."""
 
-    NAME: str
-    DESCRIPTION: str  # what it is, for messages: "a standalone draft LM", "an EAGLE-3 head"
-    LOADS_DRAFT_MODEL: bool
-    HF_ASSISTED: bool
-    GENERATES_ROLLOUTS: bool
-    FOLDER_KINDS: tuple[str, ...]  # the kinds of saved draft folder it starts from (distill.kinds.folder_kind)
+    TRAITS: KindTraits  # the kind's facts, declared once in its folder's __init__.py (decode.kinds.traits)
 
     def check_inputs(self, recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None: ...
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from decode import kinds
 from decode.draft_length import is_tree_spec
 from decode.draft_vocab import MAX_MASS
 from distill.publishing.hub import is_hub_id
@@ -231,7 +232,9 @@ def _figures(info: dict) -> list[str]:
     return lines
 
 
-HEAD_KINDS = ("eagle3", "peagle")  # drafts on the target's hidden states: served by engines, not HF assisted
+# heads served as EAGLE-3 heads (EAGLE-3, P-EAGLE): drafts on the target's hidden states, served by engines, not HF
+# assisted
+HEAD_KINDS = tuple(n for n, t in kinds.KINDS.items() if t.vllm_method == "eagle3")
 
 
 def is_head_card(info: dict) -> bool:
@@ -299,11 +302,11 @@ def eagle3_usage(
     verifier: str | None = None,
     block: int | None = None,
 ) -> list[str]:
-    """The card's usage section for an EAGLE-3 head: what it is, then :func:`decode.kinds.eagle3.usage` (vLLM's
-    ``method: eagle3`` with the recipe's draft_sample_method, SGLang's EAGLE3, draftsmith; no HF assisted
+    """The card's usage section for an EAGLE-3 head: what it is, then :func:`decode.kinds.eagle3.decoding.usage`
+    (vLLM's ``method: eagle3`` with the recipe's draft_sample_method, SGLang's EAGLE3, draftsmith; no HF assisted
     generation). ``verifier``: the target the head's config.json names (speculators_config), which lets
     ``vllm serve REPO`` run with no speculative flags; ``block``: a P-EAGLE head's block (parallel drafting)."""
-    from decode.kinds import eagle3
+    from decode.kinds.eagle3 import decoding as eagle3
 
     extra = sample_key(sample_method)
     lines = eagle3.usage(target, repo_id, gamma, tree, spec_extra=extra, verifier=verifier, block=block)
@@ -317,9 +320,9 @@ def eagle3_usage(
 
 
 def dflash_usage(target: str, repo_id: str, gamma: int, block: int) -> list[str]:
-    """The card's usage section for a DFlash draft: what it is, then :func:`decode.kinds.dflash.usage` (vLLM's
+    """The card's usage section for a DFlash draft: what it is, then :func:`decode.kinds.dflash.decoding.usage` (vLLM's
     ``method: dflash`` and draftsmith; no HF assisted generation, no SGLang line)."""
-    from decode.kinds import dflash
+    from decode.kinds.dflash import decoding as dflash
 
     about = (
         f"A DFlash draft fills a block of up to {block} tokens in one forward from the target's hidden states; it "

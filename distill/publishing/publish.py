@@ -35,9 +35,9 @@ from typing import Any
 from decode.compat import match_vocab
 from decode.draft_vocab import FILE as DRAFT_VOCAB
 from decode.draft_vocab import load_saved_head
-from decode.kinds.dflash import is_dflash_folder
-from decode.kinds.eagle3 import is_eagle3
-from decode.kinds.eagle3_formats import block_of
+from decode.kinds.dflash.decoding import is_dflash_folder
+from decode.kinds.eagle3.decoding import is_eagle3
+from decode.kinds.eagle3.formats import block_of
 from decode.metrics import best_gamma
 from distill.publishing.card import engine_of, render_model_card, slower_than_target
 from distill.publishing.draft_folder import (
@@ -583,7 +583,7 @@ def _build_eagle3_into(
 ) -> None:
     """An EAGLE-3 head as vLLM (``method: eagle3``) and SGLang (EAGLE3) load it: its config.json and
     model.safetensors as saved (no merge, no vocabulary change), the target's tokenizer files, the card and recipe."""
-    from decode.kinds.eagle3 import WEIGHTS
+    from decode.kinds.eagle3.decoding import WEIGHTS
 
     gamma = best_gamma(src.eval)
     verifier = options.verifier or (target if is_hub_id(target) else None)
@@ -608,7 +608,7 @@ def _build_dflash_into(
 ) -> None:
     """A DFlash draft as vLLM (``method: dflash``) loads it: its config.json and model.safetensors as saved, the
     target's tokenizer files, the card and recipe."""
-    from decode.kinds.dflash import WEIGHTS, folder_block
+    from decode.kinds.dflash.decoding import WEIGHTS, folder_block
 
     tokenizer_from = _copy_draft_files(src, dest, WEIGHTS, target, trust, notes)
     config = json.loads((dest / "config.json").read_text())
@@ -629,7 +629,7 @@ def name_verifier(config_json: Path, verifier: str | None, gamma: int, notes: li
     """Rewrite the speculators keys of a head's config.json to name ``verifier`` (a Hub id, or a path as given)
     with ``gamma`` speculative tokens; with no verifier (a local target, no --verifier) drop them, with a note: a
     path of this machine would not resolve where the head is served."""
-    from decode.kinds.eagle3_formats import speculators_fields
+    from decode.kinds.eagle3.formats import speculators_fields
 
     config = json.loads(config_json.read_text())
     old = config.pop("speculators_config", None) or {}

@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from decode.kinds.dflash import is_dflash_folder
-from decode.kinds.eagle3 import is_eagle3
+from decode.kinds.dflash.decoding import is_dflash_folder
+from decode.kinds.eagle3.decoding import is_eagle3
 from distill.publishing.hub import PublishError, is_hub_id
 from distill.training.run_state import stale_best
 

@@ -10,7 +10,6 @@ The step:
     losses         divergences between draft and target logits (forward/reverse KL, JSD, TVD, top-k)
     subset_loss    training over the draft vocabulary (`distill.loss_vocab: subset`)
     teacher_cache  the target's top-k log-probabilities of repeated sequences, kept in memory
-    eagle3_train   an EAGLE-3 head's step: the target's hidden states in, the unrolled head's loss out
     schedule       progress through the budget (steps or minutes) and the lr that follows from it
 
 The loop and the run:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from decode import kinds
+
 _SOURCES_SAMPLING_THE_DRAFT = ("draft", "mix", "schedule")
 
 
@@ -122,6 +124,7 @@ def check_launch(recipe: Any, env: Mapping[str, str] = os.environ) -> str | None
     written or loaded."""
     requested = requested_engine(env)
     stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
+    traits = kinds.traits(recipe.draft.kind)
     check_engine(
         requested,
         source=recipe.distill.source,
@@ -132,7 +135,7 @@ def check_launch(recipe: Any, env: Mapping[str, str] = os.environ) -> str | None
         zero_stage=int(stage) if stage.isdigit() else None,
         ram_efficient_loading=env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() in ("true", "1"),
         subset_head=recipe.distill.loss_vocab == "subset",
-        eagle3_head=recipe.draft.kind == "eagle3",
+        eagle3_head=traits.reads_hidden_states and not traits.block,  # a chain head over the target's states
     )
     return requested
 

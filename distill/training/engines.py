@@ -62,11 +62,11 @@ def bench_by_recipe(
     baseline where the recipe asks for it, the batch is 1, the caller allows it (`hf_assisted`) and it can run the
     draft's kind (a PARD draft or a head: no)."""
     from decode.bench import run_bench
-    from decode.kinds import kind_of
+    from decode.kinds.dispatch import kind_of
     from distill import kinds
 
     ev = recipe.eval
-    hf = ev.hf_assisted and ev.batch_size == 1 and hf_assisted and kinds.get(kind_of(draft)).HF_ASSISTED
+    hf = ev.hf_assisted and ev.batch_size == 1 and hf_assisted and kinds.get(kind_of(draft)).TRAITS.hf_assisted
     return run_bench(
         target,
         draft,
@@ -102,7 +102,9 @@ def evaluate_vllm(
     The target is loaded by vLLM from its recipe path in the dtype of the loaded ``target``; the draft is saved
     to a temporary directory in that dtype with the target's vocab_size.
     """
-    from decode.kinds import dflash, eagle3, kind_of
+    from decode.kinds.dflash import decoding as dflash
+    from decode.kinds.dispatch import kind_of
+    from decode.kinds.eagle3 import decoding as eagle3
     from decode.vllm_engine import bench_in_subprocess, save_draft_for_vllm
 
     dtype = next(target.parameters()).dtype
@@ -133,7 +135,8 @@ def _bench_draftsmith(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype
     sits on the target (its embedding); HF assisted generation cannot run it.
     """
     from decode.draft_vocab import load_ids
-    from decode.kinds import dflash, eagle3
+    from decode.kinds.dflash import decoding as dflash
+    from decode.kinds.eagle3 import decoding as eagle3
     from distill.models import load_target, load_tokenizer
 
     target = load_target(dataclasses.replace(recipe.target, dtype=dtype))

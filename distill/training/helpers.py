@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from decode import kernels
-from decode.kinds import kind_of
+from decode.kinds.dispatch import kind_of
 from distill import kinds
 from distill.config import Recipe, TrainConfig
 from distill.training.checkpoints import DiskFullError, disk_error_message, speedup_ci95
@@ -156,7 +156,7 @@ def evaluate(
             draft_name=recipe.draft.model,
             # HF assisted generation runs standalone LMs only (no LoRA wrapper; an EAGLE-3 head has no forward of
             # its own as an LM)
-            hf_assisted=not hasattr(served, "peft_config") and kinds.get(kind_of(served)).HF_ASSISTED,
+            hf_assisted=not hasattr(served, "peft_config") and kinds.get(kind_of(served)).TRAITS.hf_assisted,
             samples_out=samples_out,
             progress=True,
             draft_vocab=draft_vocab,

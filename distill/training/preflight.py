@@ -18,7 +18,7 @@ files only.
   rows), some training row has tokens after tokenisation, and so does every eval row an evaluation decodes;
 * `data.engine: vllm` needs vLLM installed (the `vllm` extra);
 * a draft folder saved as one kind (:func:`distill.kinds.folder_kind`: a head, a PARD or DFlash draft) is
-  trained as that kind only (a kind's ``FOLDER_KINDS``: a P-EAGLE head starts from an EAGLE-3 head too);
+  trained as that kind only (a kind's ``TRAITS.folder_kinds``: a P-EAGLE head starts from an EAGLE-3 head too);
 * the kind's own checks (its ``check_inputs``): for a head or a DFlash draft, the target's forward returns its
   per-layer hidden states (probed on one token of a weightless, meta-device copy), and a folder in draft.model
   was made for this target (vocabulary, hidden size, layer ids in its config.json); a DFlash folder was trained
@@ -55,7 +55,7 @@ def check_inputs(recipe: Recipe) -> None:
     check_prompt_files(recipe.data, later)
     target = _known_model(recipe.target, "target.model", later)
     kind = kinds.get(recipe.draft.kind)  # a draft LM to load, or one built from the target (an EAGLE-3 head)
-    loads = kind.LOADS_DRAFT_MODEL and recipe.draft.init != "truncate"
+    loads = kind.TRAITS.loads_draft_model and recipe.draft.init != "truncate"
     draft = _known_model(recipe.draft, "draft.model", later) if loads else None
     check_draft_folder(recipe, kind)
     target_config = functools.cache(  # read once, by whichever check needs it first
@@ -74,7 +74,7 @@ def check_inputs(recipe: Recipe) -> None:
 
 def check_draft_folder(recipe: Recipe, kind: kinds.Kind) -> None:
     """draft.model, a folder saved as one kind of draft (:func:`distill.kinds.folder_kind`), is trained as a kind
-    that starts from it (``kind.FOLDER_KINDS``): another kind would read its weights as what they are not.
+    that starts from it (``kind.TRAITS.folder_kinds``): another kind would read its weights as what they are not.
 
     Raises:
         ValueError: one line naming both kinds, draft.kind and draft.model.
@@ -83,17 +83,17 @@ def check_draft_folder(recipe: Recipe, kind: kinds.Kind) -> None:
     if not path or recipe.draft.init == "truncate":
         return  # no folder to read: the draft is built from the target
     found = kinds.folder_kind(path)
-    if found is None or found in kind.FOLDER_KINDS:
+    if found is None or found in kind.TRAITS.folder_kinds:
         return
-    what = kinds.KINDS[found].DESCRIPTION if found in kinds.KINDS else f"a {found} draft"
+    what = kinds.KINDS[found].TRAITS.description if found in kinds.KINDS else f"a {found} draft"
     other = (
         "give another draft.model"
-        if kind.LOADS_DRAFT_MODEL
+        if kind.TRAITS.loads_draft_model
         else "leave draft.model empty to build one from the target"
     )
     raise ValueError(
         f"draft.model {path!r} is {what} folder (draft.kind={found}), and draft.kind={recipe.draft.kind} trains "
-        f"{kind.DESCRIPTION}: set draft.kind={found} to continue it, or {other}"
+        f"{kind.TRAITS.description}: set draft.kind={found} to continue it, or {other}"
     )
 
 

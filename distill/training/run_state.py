@@ -451,7 +451,7 @@ class RunState:
 
         `result` None: an interrupt cut the evaluation short (`pending_eval`), and the checkpoint is kept as a
         resume-only one."""
-        from decode.kinds import kind_of
+        from decode.kinds.dispatch import kind_of
         from distill import kinds
 
         if result is None:

@@ -18,7 +18,7 @@ layer shared. DSpark adds two small heads on the block's final-normed states h_k
 Training is DFlash's (every block position against the target's distribution over its token), with the true
 previous tokens feeding the Markov bias (teacher forcing: what drafting sees while every earlier token was right),
 plus a binary cross-entropy of the confidence head against whether the draft's argmax at position k is the
-target's token, counted only where every earlier position of the block matched (``distill.kinds.dspark``).
+target's token, counted only where every earlier position of the block matched (``decode.kinds.dspark.training``).
 
 The saved layout is vllm-project/speculators' ``speculators_model_type: dspark`` (speculators 0.9, read by vLLM's
 ``method: dspark``, ``vllm/transformers_utils/configs/speculators/algos.py`` -> ``Qwen3DSparkModel``):
@@ -48,12 +48,13 @@ from torch import nn
 from transformers import LlamaConfig
 
 from decode.compat import model_name
-from decode.kinds import dflash, eagle3
-from decode.kinds.eagle3_formats import verifier_architectures, verifier_name
-from decode.kinds.standalone import draft_tokens
+from decode.kinds.dflash import decoding as dflash
+from decode.kinds.dspark import TRAITS
+from decode.kinds.eagle3 import decoding as eagle3
+from decode.kinds.eagle3.formats import verifier_architectures, verifier_name
+from decode.kinds.standalone.decoding import draft_tokens
 
-NAME = "dspark"
-BLOCK = True  # the whole block in one draft forward
+NAME = TRAITS.name
 ARCHITECTURE = "DSparkSpeculator"
 WEIGHTS = dflash.WEIGHTS
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose dspark layout this is
@@ -93,8 +94,9 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDraft(dflash.DFlashDraft):
-    """A :class:`decode.kinds.dflash.DFlashDraft` with the Markov head and, when ``config.enable_confidence_head``,
-    the confidence head. ``confidence_min`` is the cut draftsmith's decoder applies (0: none)."""
+    """A :class:`decode.kinds.dflash.decoding.DFlashDraft` with the Markov head and, when
+    ``config.enable_confidence_head``, the confidence head. ``confidence_min`` is the cut draftsmith's decoder applies
+    (0: none)."""
 
     kind = NAME
     title = "DSpark draft"
@@ -208,7 +210,7 @@ def build(
     markov_rank: int = DEFAULT_RANK,
     confidence_min: float | None = None,
 ) -> DSparkDraft:
-    """A fresh draft for ``target`` (:func:`decode.kinds.dflash.build`), with a Markov head of rank
+    """A fresh draft for ``target`` (:func:`decode.kinds.dflash.decoding.build`), with a Markov head of rank
     ``markov_rank`` that starts at zero bias (``markov_w2`` = 0: the draft starts as its DFlash backbone) and a
     confidence head when ``confidence_min`` is given (its cut while drafting)."""
     draft = dflash.build(
@@ -227,7 +229,7 @@ ABOUT = (
     "layers that fill a block of tokens in one forward from its target's hidden states, sharing the target's "
     "token embedding and output layer) with a low-rank Markov bias from each previous token and a confidence head. "
     "transformers' AutoModelForCausalLM cannot load it and HF assisted generation cannot run it; vLLM serves it "
-    "(speculative method dspark), and draftsmith loads it with decode.kinds.dspark.load(folder, target)."
+    "(speculative method dspark), and draftsmith loads it with decode.kinds.dspark.decoding.load(folder, target)."
 )  # config.json's draftsmith.about, and the start of the folder's README.md
 
 # DFlash's served keys that are not the draft layers' own (the rest is transformer_layer_config)
@@ -301,7 +303,7 @@ def readme(config: dict, target_name: str | None) -> str:
             "draftsmith's own decoder, in Python:",
             "",
             "```python",
-            "from decode.kinds import dspark",
+            "from decode.kinds.dspark import decoding as dspark",
             "",
             'draft = dspark.load("PATH/TO/THIS/FOLDER", target)  # shares the target\'s embedding and output layer',
             "```",
@@ -349,7 +351,8 @@ def is_dspark_folder(path: str | Path) -> bool:
 
 
 def dense_config(raw: dict) -> dict:
-    """A DSpark folder's config.json as DFlash's served keys (``decode.kinds.dflash.fitted_config`` reads them).
+    """A DSpark folder's config.json as DFlash's served keys (``decode.kinds.dflash.decoding.fitted_config``
+    reads them).
 
     Raises:
         ValueError: one line: a layout draftsmith does not draft with (the first position sampled, another head).

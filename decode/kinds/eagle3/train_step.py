@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from decode.compat import text_config
-from decode.kinds import eagle3
+from decode.kinds.eagle3 import decoding as eagle3
 from distill.config import EAGLE3_VOCAB, DistillConfig, Recipe
 from distill.training import losses
 from distill.training.teacher_cache import sequence_key
@@ -46,7 +46,7 @@ class Unrolled(nn.Module):
 
     accelerate prepares this module, so DDP's gradient synchronisation and mixed precision's autocast wrap the
     forward that training calls (``head.unrolled`` is a plain method they would not see). ``head`` is the
-    :class:`decode.kinds.eagle3.Eagle3Head` itself, which evaluation and checkpoints use.
+    :class:`decode.kinds.eagle3.decoding.Eagle3Head` itself, which evaluation and checkpoints use.
     """
 
     def __init__(self, head: eagle3.Eagle3Head) -> None:

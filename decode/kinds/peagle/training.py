@@ -1,6 +1,6 @@
 """Training a P-EAGLE head (`draft.kind: peagle`): an EAGLE-3 head that drafts draft.block_size tokens in one forward.
 
-Everything but the head's block is the EAGLE-3 kind's (distill.kinds.eagle3): the head is built from the target
+Everything but the head's block is the EAGLE-3 kind's (decode.kinds.eagle3.training): the head is built from the target
 once the target's continuations are generated (or started from an EAGLE-3 or P-EAGLE head folder in draft.model,
 or from the newest checkpoint on --resume), each step feeds it the target's hidden states, and it is saved in the
 layout vLLM loads. Its head carries a mask token and a learned mask feature (decode.kinds.peagle), and a step
@@ -16,11 +16,9 @@ from typing import Any
 
 from torch import nn
 
-from decode.kinds import peagle as decoding
-from distill import models
-from distill.config import Recipe
-from distill.kinds import eagle3 as chain
-from distill.kinds.eagle3 import (  # the same as an EAGLE-3 head's
+from decode.kinds.eagle3 import train_step
+from decode.kinds.eagle3 import training as chain
+from decode.kinds.eagle3.training import (  # the same as an EAGLE-3 head's
     cache_teacher,
     decoding_vocab,
     generation_recorder,
@@ -29,15 +27,13 @@ from distill.kinds.eagle3 import (  # the same as an EAGLE-3 head's
     save_checkpoint,
     served,
 )
+from decode.kinds.peagle import (
+    TRAITS,  # noqa: F401  (the kind's facts: distill.kinds.interface.Kind)
+    decoding,
+)
+from distill import models
+from distill.config import Recipe
 from distill.kinds.interface import check_mask_token_id, config_vocab
-from distill.training import eagle3_train
-
-NAME = decoding.NAME
-DESCRIPTION = "a P-EAGLE head"
-LOADS_DRAFT_MODEL = False
-HF_ASSISTED = False
-GENERATES_ROLLOUTS = False
-FOLDER_KINDS = (chain.NAME, NAME)  # an EAGLE-3 head gains a block, a P-EAGLE head is continued
 
 __all__ = [
     "build_draft",
@@ -54,8 +50,8 @@ __all__ = [
 
 
 def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:
-    """An EAGLE-3 head's checks (distill.kinds.eagle3.check_inputs), and draft.mask_token_id, when set, an id of
-    the target's vocabulary.
+    """An EAGLE-3 head's checks (decode.kinds.eagle3.training.check_inputs), and draft.mask_token_id, when set, an
+    id of the target's vocabulary.
 
     Raises:
         ValueError: one line naming the recipe key and the fix.
@@ -89,13 +85,13 @@ def build_draft(
     source: Any,
     train_prompts: Sequence,
     vocab_size: int,
-    teachers: eagle3_train.TargetCache | None,
+    teachers: train_step.TargetCache | None,
     resume_from: Path | None,
     is_main: bool,
-) -> eagle3_train.Unrolled:
+) -> train_step.Unrolled:
     """The EAGLE-3 kind's head (its vocabulary, draft.model or checkpoint) made a P-EAGLE head of
     draft.block_size: an EAGLE-3 head gains a fresh mask feature, a P-EAGLE head keeps its own."""
-    head = eagle3_train.head_of(
+    head = train_step.head_of(
         chain.build_draft(recipe, target, source, train_prompts, vocab_size, teachers, resume_from, is_main)
     )
     mask = head.config.mask_token_id if head.parallel and recipe.draft.mask_token_id is None else None
@@ -107,4 +103,4 @@ def build_draft(
     head = decoding.with_mask(head, block_size=recipe.draft.block_size, mask_token_id=mask)
     if is_main:
         print(f"peagle head: block of {recipe.draft.block_size} tokens per forward, mask token {mask} ({started})")
-    return eagle3_train.Unrolled(head)
+    return train_step.Unrolled(head)

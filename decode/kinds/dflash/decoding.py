@@ -41,12 +41,12 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from decode.compat import model_name, text_config
-from decode.kinds import eagle3
-from decode.kinds.eagle3_formats import default_aux_layers
-from decode.kinds.standalone import draft_tokens, stack
+from decode.kinds.dflash import TRAITS
+from decode.kinds.eagle3 import decoding as eagle3
+from decode.kinds.eagle3.formats import default_aux_layers
+from decode.kinds.standalone.decoding import draft_tokens, stack
 
-NAME = "dflash"
-BLOCK = True  # the whole block in one draft forward
+NAME = TRAITS.name
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS = "model.safetensors"
 MAX_BLOCK = 16  # the most tokens a draft is built to propose in one forward (draft.block_size's range)
@@ -540,7 +540,8 @@ ABOUT = (
     "A DFlash draft for speculative decoding, not a standalone language model: a few decoder layers that fill a "
     "block of tokens in one forward from its target's hidden states, sharing the target's token embedding and "
     "output layer. transformers' AutoModelForCausalLM cannot load it and HF assisted generation cannot run it; vLLM "
-    "serves it (speculative method dflash), and draftsmith loads it with decode.kinds.dflash.load(folder, target)."
+    "serves it (speculative method dflash), and draftsmith loads it with "
+    "decode.kinds.dflash.decoding.load(folder, target)."
 )  # config.json's draftsmith.about, and the start of the folder's README.md
 
 
@@ -586,7 +587,7 @@ def usage(target: str, model: str, gamma: int, block: int) -> list[str]:
         "",
         "```python",
         "from transformers import AutoModelForCausalLM",
-        "from decode.kinds import dflash",
+        "from decode.kinds.dflash import decoding as dflash",
         "",
         f'target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto")',
         f'draft = dflash.load("{model}", target)  # shares the target\'s embedding and output layer',

@@ -3,12 +3,12 @@
 The draft is built from the target (draft.num_layers layers reading the outputs of target layers draft.aux_layers,
 DFlash's ``target_layer_ids``), or continued from a DFlash folder in draft.model, or from the newest checkpoint on
 --resume. Each step reads the target's hidden states and logits of the batch (one target forward, or
-distill.cache_teacher's kept rows, as for an EAGLE-3 head: ``distill.training.eagle3_train.target_side``) and
-trains every block position of every anchor in one pass (``decode.kinds.dflash.DFlashDraft.block_logits``): the
-block at anchor i holds x_{i+1} and draft.block_size mask tokens and sees the target's features at positions <= i;
-its position k is compared with the target's distribution at i + k, the one over token i + k + 1, weighted
+distill.cache_teacher's kept rows, as for an EAGLE-3 head: ``decode.kinds.eagle3.train_step.target_side``) and trains
+every block position of every anchor in one pass (``decode.kinds.dflash.decoding.DFlashDraft.block_logits``): the block
+at anchor i holds x_{i+1} and draft.block_size mask tokens and sees the target's features at positions <= i; its
+position k is compared with the target's distribution at i + k, the one over token i + k + 1, weighted
 distill.step_weight^k. It is saved in the layout vLLM's ``method: dflash`` loads (decoding side:
-``decode.kinds.dflash``).
+``decode.kinds.dflash.decoding``).
 """
 
 from __future__ import annotations
@@ -21,22 +21,19 @@ import torch
 from torch import nn
 
 from decode.compat import text_config
-from decode.kinds import dflash as decoding
-from decode.kinds import eagle3
+from decode.kinds.dflash import (
+    TRAITS,  # noqa: F401  (the kind's facts: distill.kinds.interface.Kind)
+    decoding,
+)
+from decode.kinds.eagle3 import decoding as eagle3
+from decode.kinds.eagle3 import train_step
+from decode.kinds.eagle3.training import cache_teacher, decoding_vocab, load_draft  # the same as an EAGLE-3 head's
+from decode.kinds.peagle.training import mask_token_id
 from distill import models
 from distill.config import DistillConfig, Recipe
-from distill.kinds.eagle3 import cache_teacher, decoding_vocab, load_draft  # the same as an EAGLE-3 head's
 from distill.kinds.interface import StepLoss, check_mask_token_id, config_vocab
-from distill.kinds.peagle import mask_token_id
-from distill.training import eagle3_train, losses
+from distill.training import losses
 from distill.training.teacher_cache import sequence_key
-
-NAME = decoding.NAME
-DESCRIPTION = "a DFlash draft"
-LOADS_DRAFT_MODEL = False
-HF_ASSISTED = False
-GENERATES_ROLLOUTS = False
-FOLDER_KINDS = (NAME,)  # a DFlash draft to continue
 
 __all__ = [
     "Blocks",
@@ -57,7 +54,7 @@ class Blocks(nn.Module):
     """The draft as the training loop's model: its forward is the training pass over every anchor's block.
 
     accelerate prepares this module, so DDP and autocast wrap the forward training calls; ``draft`` is the
-    :class:`decode.kinds.dflash.DFlashDraft` itself, which evaluation and checkpoints use.
+    :class:`decode.kinds.dflash.decoding.DFlashDraft` itself, which evaluation and checkpoints use.
     """
 
     def __init__(self, draft: decoding.DFlashDraft) -> None:
@@ -136,7 +133,7 @@ def check_folder_keeps(path: str, block_size: int, mask_token_id: int | None) ->
 
 def check_folder_fits(path: str, target_config: Any, target_name: str) -> None:
     """draft.model, a DFlash folder, was made for this target: its config.json against the target's (vocabulary,
-    hidden size, target_layer_ids; :func:`decode.kinds.dflash.fitted_config`)."""
+    hidden size, target_layer_ids; :func:`decode.kinds.dflash.decoding.fitted_config`)."""
     try:
         decoding.fitted_config(decoding.folder_config_dict(path), path, target_config, target_name)
     except ValueError as err:
@@ -160,12 +157,12 @@ def check_target(recipe: Recipe, target: str | None, target_config: Callable[[],
 
 
 def generation_recorder(
-    teachers: eagle3_train.TargetCache | None, recipe: Recipe, target: nn.Module
-) -> eagle3_train.GenerationRecorder | None:
+    teachers: train_step.TargetCache | None, recipe: Recipe, target: nn.Module
+) -> train_step.GenerationRecorder | None:
     """What fills ``teachers`` while the target generates the continuations (the layers the draft reads)."""
     if teachers is None:
         return None
-    return eagle3_train.GenerationRecorder(teachers, recorded_layers(recipe, target))
+    return train_step.GenerationRecorder(teachers, recorded_layers(recipe, target))
 
 
 def build_draft(
@@ -174,7 +171,7 @@ def build_draft(
     source: Any,
     train_prompts: Sequence,
     vocab_size: int,
-    teachers: eagle3_train.TargetCache | None,
+    teachers: train_step.TargetCache | None,
     resume_from: Path | None,
     is_main: bool,
 ) -> Blocks:
@@ -227,7 +224,7 @@ def anchor_seed(seed: int, micro_batch: int, rank: int) -> int:
 
 def block_loss(
     model: nn.Module,
-    side: eagle3_train.TargetSide,
+    side: train_step.TargetSide,
     batch: dict[str, torch.Tensor],
     cfg: DistillConfig,
     seed: int = 0,
@@ -267,7 +264,7 @@ def logits_loss(
     logits: torch.Tensor,
     anchors: torch.Tensor,
     chosen: torch.Tensor,
-    side: eagle3_train.TargetSide,
+    side: train_step.TargetSide,
     batch: dict[str, torch.Tensor],
     cfg: DistillConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -283,7 +280,7 @@ def logits_loss(
         teacher_rows = rows_b * width + anchors[rows_b, rows_n] + k
         student = logits[rows_b, rows_n, k]
         log_pt = log_p[teacher_rows]
-        log_ps = eagle3_train.student_log_probs(student, log_pt[:, -1:], cfg.temperature)
+        log_ps = train_step.student_log_probs(student, log_pt[:, -1:], cfg.temperature)
         loss_k = losses.divergence(log_ps, log_pt, cfg.loss, cfg.beta).mean()
         weight = cfg.step_weight ** (k - 1)
         total = weight * loss_k if total is None else total + weight * loss_k
@@ -306,7 +303,7 @@ def loss_step(
     target: nn.Module,
     recipe: Recipe,
     vocab_size: int,
-    teachers: eagle3_train.TargetCache | None,
+    teachers: train_step.TargetCache | None,
     draft_vocab: list[int] | None,
 ) -> Callable[[dict[str, torch.Tensor], list, bool], StepLoss]:
     """The step of one micro-batch: the target's side (its hidden states at the draft's layers and its
@@ -319,7 +316,7 @@ def block_step(
     draft: nn.Module,
     target: nn.Module,
     recipe: Recipe,
-    teachers: eagle3_train.TargetCache | None,
+    teachers: train_step.TargetCache | None,
     block_loss_of: Callable[..., tuple[torch.Tensor, dict[str, float]]],
 ) -> Callable[[dict[str, torch.Tensor], list, bool], StepLoss]:
     """:func:`loss_step` with the loss ``block_loss_of(model, side, batch, cfg, seed)`` (a block draft with heads
@@ -328,7 +325,7 @@ def block_step(
     def step(batch: dict[str, torch.Tensor], pairs: list, on_policy: bool) -> StepLoss:
         inner = served(draft)
         keys = None if teachers is None else [sequence_key(*p) for p in pairs]
-        side = eagle3_train.target_side(target, batch, inner, recipe.distill.temperature, teachers, keys)
+        side = train_step.target_side(target, batch, inner, recipe.distill.temperature, teachers, keys)
         # called inside accelerator.accumulate, which has counted this micro-batch in accelerator.step
         seed = anchor_seed(recipe.train.seed, accelerator.step, accelerator.process_index)
         value, stats = block_loss_of(draft, side, batch, recipe.distill, seed)

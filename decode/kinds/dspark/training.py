@@ -1,4 +1,4 @@
-"""Training a DSpark draft (`draft.kind: dspark`): a DFlash draft (:mod:`distill.kinds.dflash`) with a low-rank
+"""Training a DSpark draft (`draft.kind: dspark`): a DFlash draft (:mod:`decode.kinds.dflash.training`) with a low-rank
 Markov bias of the previous token and, when draft.confidence_min is set, a confidence head (decode.kinds.dspark).
 
 Built, fed and anchored as a DFlash draft: draft.num_layers layers over target layers draft.aux_layers, a block of
@@ -22,10 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from decode.compat import text_config
-from decode.kinds import dspark as decoding
-from distill.config import DistillConfig, Recipe
-from distill.kinds import dflash
-from distill.kinds.dflash import (  # the same as a DFlash draft's
+from decode.kinds.dflash import training as dflash
+from decode.kinds.dflash.training import (  # the same as a DFlash draft's
     block_anchors,
     cache_teacher,
     decoding_vocab,
@@ -35,16 +33,15 @@ from distill.kinds.dflash import (  # the same as a DFlash draft's
     served,
     trained_positions,
 )
+from decode.kinds.dspark import (
+    TRAITS,  # noqa: F401  (the kind's facts: distill.kinds.interface.Kind)
+    decoding,
+)
+from decode.kinds.eagle3 import train_step
+from decode.kinds.peagle.training import mask_token_id
+from distill.config import DistillConfig, Recipe
 from distill.kinds.interface import StepLoss, check_mask_token_id, config_vocab
-from distill.kinds.peagle import mask_token_id
-from distill.training import eagle3_train
 
-NAME = decoding.NAME
-DESCRIPTION = "a DSpark draft"
-LOADS_DRAFT_MODEL = False
-HF_ASSISTED = False
-GENERATES_ROLLOUTS = False
-FOLDER_KINDS = (NAME,)  # a DSpark draft to continue
 CONFIDENCE_WEIGHT = 1.0  # the confidence head's BCE next to the block loss (speculators' confidence_head_alpha)
 
 __all__ = [
@@ -95,12 +92,12 @@ def build_draft(
     source: Any,
     train_prompts: Sequence,
     vocab_size: int,
-    teachers: eagle3_train.TargetCache | None,
+    teachers: train_step.TargetCache | None,
     resume_from: Path | None,
     is_main: bool,
 ) -> Blocks:
     """The draft to train, in float32: the newest checkpoint's (--resume), draft.model's (a DSpark folder, its
-    heads as saved), or a fresh one (:func:`decode.kinds.dspark.build` with the recipe's draft keys)."""
+    heads as saved), or a fresh one (:func:`decode.kinds.dspark.decoding.build` with the recipe's draft keys)."""
     start = resume_from if resume_from is not None and decoding.is_dspark_folder(resume_from) else None
     if start is None and recipe.draft.model:
         start = Path(recipe.draft.model)
@@ -131,7 +128,7 @@ def confidence_loss(
     confidence: torch.Tensor,
     anchors: torch.Tensor,
     chosen: torch.Tensor,
-    side: eagle3_train.TargetSide,
+    side: train_step.TargetSide,
     batch: dict[str, torch.Tensor],
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The confidence head's binary cross-entropy: its logit at block position k (``confidence`` [B, N, K + 1])
@@ -158,12 +155,12 @@ def confidence_loss(
 
 def block_loss(
     model: nn.Module,
-    side: eagle3_train.TargetSide,
+    side: train_step.TargetSide,
     batch: dict[str, torch.Tensor],
     cfg: DistillConfig,
     seed: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """DFlash's block loss (:func:`distill.kinds.dflash.logits_loss`) of the Markov-biased logits, plus
+    """DFlash's block loss (:func:`decode.kinds.dflash.training.logits_loss`) of the Markov-biased logits, plus
     :data:`CONFIDENCE_WEIGHT` x :func:`confidence_loss` when the draft has a confidence head."""
     anchors, chosen = block_anchors(batch, cfg, seed)
     logits, confidence = model(batch["input_ids"], side.features, batch["attention_mask"].bool(), anchors)
@@ -180,10 +177,10 @@ def loss_step(
     target: nn.Module,
     recipe: Recipe,
     vocab_size: int,
-    teachers: eagle3_train.TargetCache | None,
+    teachers: train_step.TargetCache | None,
     draft_vocab: list[int] | None,
 ) -> Callable[[dict[str, torch.Tensor], list, bool], StepLoss]:
-    """DFlash's step (:func:`distill.kinds.dflash.loss_step`) with :func:`block_loss`."""
+    """DFlash's step (:func:`decode.kinds.dflash.training.loss_step`) with :func:`block_loss`."""
     return dflash.block_step(accelerator, draft, target, recipe, teachers, block_loss)
 
 

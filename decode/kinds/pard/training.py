@@ -1,11 +1,11 @@
 """Training a PARD draft (`draft.kind: pard`): a standalone draft LM that drafts draft.block_size tokens in one
 forward from mask tokens.
 
-Everything but the step is the standalone kind's (distill.kinds.standalone): the draft is loaded from draft.model
-(a sibling, a pretrained small LM, or a cut of the target), speeds up the target's rollouts, and is saved as an
-ordinary HF checkpoint, its config marked with ``pard_token`` and ``block_size`` (decode.kinds.pard). A step runs
-the draft once over every sequence and its K - 1 mask copies (decode.kinds.pard.block_inputs) and compares block
-position k at anchor i with the target's distribution at i + k, the position that predicts x_{i+k+1}.
+Everything but the step is the standalone kind's (decode.kinds.standalone.training): the draft is loaded from
+draft.model (a sibling, a pretrained small LM, or a cut of the target), speeds up the target's rollouts, and is saved
+as an ordinary HF checkpoint, its config marked with ``pard_token`` and ``block_size`` (decode.kinds.pard). A step runs
+the draft once over every sequence and its K - 1 mask copies (decode.kinds.pard.decoding.block_inputs) and compares
+block position k at anchor i with the target's distribution at i + k, the position that predicts x_{i+k+1}.
 """
 
 from __future__ import annotations
@@ -19,23 +19,19 @@ import torch
 from torch import nn
 
 from decode import sources
-from decode.kinds import pard as decoding
-from distill import models
-from distill.config import Recipe
-from distill.kinds.interface import StepLoss, check_mask_token_id, config_vocab
-from distill.kinds.standalone import (  # the same as a standalone draft's
+from decode.kinds.pard import (
+    TRAITS,  # noqa: F401  (the kind's facts: distill.kinds.interface.Kind)
+    decoding,
+)
+from decode.kinds.standalone.training import (  # the same as a standalone draft's
     build_draft,
     generation_recorder,
     served,
 )
+from distill import models
+from distill.config import Recipe
+from distill.kinds.interface import StepLoss, check_mask_token_id, config_vocab
 from distill.training import losses
-
-NAME = decoding.NAME
-DESCRIPTION = "a PARD draft LM"
-LOADS_DRAFT_MODEL = True
-HF_ASSISTED = False  # HF assisted generation would run it as a chain: its mask positions unused
-GENERATES_ROLLOUTS = True
-FOLDER_KINDS = (NAME,)  # a PARD draft to continue; a plain causal LM is read as any draft LM
 
 __all__ = [
     "block_loss",
@@ -53,7 +49,7 @@ __all__ = [
 
 def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:
     """draft.mask_token_id, when set, is an id of the draft's vocabulary (draft.init=truncate: the target's). A
-    folder saved as another kind is refused by distill.training.preflight (:data:`FOLDER_KINDS`), the options a
+    folder saved as another kind is refused by distill.training.preflight (``TRAITS.folder_kinds``), the options a
     PARD step does not run with the recipe (distill.config).
 
     Raises:

@@ -37,12 +37,12 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from decode.compat import model_name, text_config
-from decode.kinds import eagle3_formats
-from decode.kinds.eagle3_formats import default_aux_layers
-from decode.kinds.standalone import Verified, all_real, draft_tokens, stack
+from decode.kinds.eagle3 import TRAITS
+from decode.kinds.eagle3 import formats as eagle3_formats
+from decode.kinds.eagle3.formats import default_aux_layers
+from decode.kinds.standalone.decoding import Verified, all_real, draft_tokens, stack
 
-NAME = "eagle3"
-BLOCK = False  # a chain: one head forward per drafted token
+NAME = TRAITS.name
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
 TTT_STEPS = 3  # unrolled steps in training (EAGLE-3 trains 7 on GPUs; 3 reach most of the gain, see docs/eagle3.md)
@@ -588,14 +588,14 @@ ABOUT = (
     "of its target's hidden states, with no token embedding of its own (it shares the target's). "
     "transformers' AutoModelForCausalLM cannot load it and HF assisted generation cannot run it; vLLM (speculative "
     "method eagle3) and SGLang (--speculative-algorithm EAGLE3) serve it next to its target, and draftsmith loads it "
-    "with decode.kinds.eagle3.load(folder, target)."
+    "with decode.kinds.eagle3.decoding.load(folder, target)."
 )  # config.json's draftsmith.about, and the start of the folder's README.md
 ABOUT_PEAGLE = (
     "A P-EAGLE (parallel EAGLE) draft head for speculative decoding: an EAGLE-3 head that drafts a block of "
     "tokens in one forward, its positions after the first reading a mask token and a learned mask feature "
     "(mask_hidden). transformers' AutoModelForCausalLM cannot load it and HF assisted generation cannot run it; "
     "vLLM serves it (speculative method eagle3 with parallel_drafting), and draftsmith loads it with "
-    "decode.kinds.eagle3.load(folder, target)."
+    "decode.kinds.eagle3.decoding.load(folder, target)."
 )
 WHAT_IT_IS = (
     "An EAGLE-3 head reads the target's own hidden states, so it runs inside an engine that serves it next to the "
@@ -678,7 +678,7 @@ def usage(
         "",
         "```python",
         "from transformers import AutoModelForCausalLM",
-        "from decode.kinds import eagle3",
+        "from decode.kinds.eagle3 import decoding as eagle3",
         "",
         f'target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto")',
         f"head = eagle3.load(\"{model}\", target)  # shares the target's embedding; on the target's device",
@@ -776,7 +776,7 @@ def is_eagle3(path: str | Path) -> bool:
 
 
 def folder_config(directory: str | Path, target_config, target_name: str) -> LlamaConfig:
-    """The head config saved in ``directory`` (any layout of ``decode.kinds.eagle3_formats``), completed and
+    """The head config saved in ``directory`` (any layout of ``decode.kinds.eagle3.formats``), completed and
     checked against the target's config (:func:`fitted_config`; ``target_config``: the target's ``config``, from
     ``AutoConfig`` or a loaded model)."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -825,7 +825,7 @@ def fitted_config(raw: dict, directory: str | Path, target_config, target_name: 
 
 
 def load(directory: str | Path, target: nn.Module) -> Eagle3Head:
-    """The head saved in ``directory`` (any layout of ``decode.kinds.eagle3_formats``; :func:`fitted_config`), on
+    """The head saved in ``directory`` (any layout of ``decode.kinds.eagle3.formats``; :func:`fitted_config`), on
     the target's device, sharing the target's embedding.
 
     Raises:

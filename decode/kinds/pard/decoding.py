@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decode.kinds import standalone
-from decode.kinds.standalone import Verified, cost_stream, draft_tokens, stack  # noqa: F401 (cost: as a draft LM)
+from decode.kinds.pard import TRAITS
+from decode.kinds.standalone import decoding as standalone
+from decode.kinds.standalone.decoding import Verified, cost_stream, draft_tokens, stack  # noqa: F401 (cost: as a draft LM)
 
-NAME = "pard"
-BLOCK = True  # the whole block in one draft forward
+NAME = TRAITS.name
 MAX_BLOCK = 16
 
 

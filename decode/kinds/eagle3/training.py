@@ -3,7 +3,7 @@
 There is no draft LM to load: the head is built from the target once the target's continuations are generated,
 because its draft vocabulary is counted on them (or started from an EAGLE-3 head folder in draft.model, or from
 the newest checkpoint on --resume). Each step feeds it the target's hidden states and logits of the batch
-(``distill.training.eagle3_train.step_loss``, which holds the numerics); it trains as an :class:`Unrolled` module
+(``decode.kinds.eagle3.train_step.step_loss``, which holds the numerics); it trains as an :class:`Unrolled` module
 and is evaluated and saved as the head itself, in the layout vLLM and SGLang load (decoding side:
 ``decode.kinds.eagle3``). It needs the target's states to draft, so it neither speeds up the target's rollouts
 nor runs in HF assisted generation.
@@ -18,21 +18,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from decode.kinds import eagle3 as decoding
-from decode.kinds import eagle3_formats
+from decode.kinds.eagle3 import (
+    TRAITS,  # noqa: F401  (the kind's facts: distill.kinds.interface.Kind)
+    decoding,
+    train_step,
+)
+from decode.kinds.eagle3 import formats as eagle3_formats
 from distill import models
 from distill.config import Recipe
 from distill.data.prompts import draft_vocabulary
 from distill.kinds.interface import StepLoss
-from distill.training import eagle3_train
 from distill.training.teacher_cache import sequence_key
-
-NAME = decoding.NAME
-DESCRIPTION = "an EAGLE-3 head"
-LOADS_DRAFT_MODEL = False
-HF_ASSISTED = False
-GENERATES_ROLLOUTS = False
-FOLDER_KINDS = (NAME,)  # an EAGLE-3 head to continue (a P-EAGLE head's block would be dropped: draft.kind=peagle)
 
 
 def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:
@@ -46,7 +42,7 @@ def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[],
         check_folder(recipe.draft.model)
     if target is not None:
         config = target_config()
-        eagle3_train.check_target_config(config, recipe)
+        train_step.check_target_config(config, recipe)
         models.check_hidden_states(config, recipe.target, "draft.kind=eagle3")
         if recipe.draft.model:
             check_head_fits(recipe.draft.model, config, recipe.target.model)
@@ -65,8 +61,8 @@ def check_folder(path: str) -> None:
 
 def check_head_fits(path: str, target_config: Any, target_name: str) -> None:
     """draft.model, an EAGLE-3 head folder, was made for this target: its config.json against the target's
-    (vocabulary, hidden size, aux layer ids; :func:`decode.kinds.eagle3.folder_config`)."""
-    from decode.kinds import eagle3
+    (vocabulary, hidden size, aux layer ids; :func:`decode.kinds.eagle3.decoding.folder_config`)."""
+    from decode.kinds.eagle3 import decoding as eagle3
 
     try:
         eagle3.folder_config(path, target_config, target_name)
@@ -79,20 +75,20 @@ def load_draft(recipe: Recipe, device: torch.device) -> tuple[None, None]:
     return None, None
 
 
-def cache_teacher(recipe: Recipe, target: nn.Module) -> eagle3_train.TargetCache | None:
+def cache_teacher(recipe: Recipe, target: nn.Module) -> train_step.TargetCache | None:
     """distill.cache_teacher: the target's hidden states and logits of each sequence, kept as it generates them."""
     cfg = recipe.distill
-    return eagle3_train.TargetCache(target, cfg.temperature, cfg.cache_teacher_gb) if cfg.cache_teacher else None
+    return train_step.TargetCache(target, cfg.temperature, cfg.cache_teacher_gb) if cfg.cache_teacher else None
 
 
 def generation_recorder(
-    teachers: eagle3_train.TargetCache | None, recipe: Recipe, target: nn.Module
-) -> eagle3_train.GenerationRecorder | None:
+    teachers: train_step.TargetCache | None, recipe: Recipe, target: nn.Module
+) -> train_step.GenerationRecorder | None:
     """What fills ``teachers`` while the target generates the continuations (the aux layers a head built from the
     target reads)."""
     if teachers is None:
         return None
-    return eagle3_train.GenerationRecorder(teachers, eagle3_train.planned_aux_layers(recipe, target))
+    return train_step.GenerationRecorder(teachers, train_step.planned_aux_layers(recipe, target))
 
 
 def build_draft(
@@ -101,28 +97,28 @@ def build_draft(
     source: Any,
     train_prompts: Sequence,
     vocab_size: int,
-    teachers: eagle3_train.TargetCache | None,
+    teachers: train_step.TargetCache | None,
     resume_from: Path | None,
     is_main: bool,
-) -> eagle3_train.Unrolled:
+) -> train_step.Unrolled:
     """The head to train, over the draft.vocab_subset tokens most frequent in the continuations ``source`` holds.
 
     ``resume_from`` (--resume): the newest checkpoint, whose head (with its own vocabulary) is taken; a resume-only
     checkpoint holds no head, and the vocabulary counted here, on the same cached continuations, is the one the
     run started with.
     """
-    size = eagle3_train.vocab_size(recipe.draft.vocab_subset, vocab_size)
+    size = train_step.vocab_size(recipe.draft.vocab_subset, vocab_size)
     cached = source.cache.completions() if source.cache is not None else []
     ids, where = draft_vocabulary(size, train_prompts, cached, vocab_size, source.eos_token_id)
-    head = eagle3_train.initial_head(recipe, target, ids, resume_from)
+    head = train_step.initial_head(recipe, target, ids, resume_from)
     if is_main:
         size, layers = len(head.draft_ids), head.aux_layers
         if head.draft_ids.tolist() != list(ids):
             where = "the loaded head's own"  # draft.model's or a checkpoint's head keeps the vocabulary it has
         print(f"eagle3 head: draft vocabulary of {size} of {vocab_size} tokens ({where}), aux layers {layers}")
-    if teachers is not None and head.aux_layers != eagle3_train.planned_aux_layers(recipe, target):
+    if teachers is not None and head.aux_layers != train_step.planned_aux_layers(recipe, target):
         teachers.clear()  # draft.model's head reads other layers than those kept while generating
-    return eagle3_train.Unrolled(head)
+    return train_step.Unrolled(head)
 
 
 def decoding_vocab(
@@ -138,15 +134,15 @@ def loss_step(
     target: nn.Module,
     recipe: Recipe,
     vocab_size: int,
-    teachers: eagle3_train.TargetCache | None,
+    teachers: train_step.TargetCache | None,
     draft_vocab: list[int] | None,
 ) -> Callable[[dict[str, torch.Tensor], list, bool], StepLoss]:
     """The step of one micro-batch: the target's hidden states and logits, the head unrolled over them
-    (``eagle3_train.step_loss``); its stats are train/loss_k and train/acc_k per unrolled step k."""
+    (``train_step.step_loss``); its stats are train/loss_k and train/acc_k per unrolled step k."""
 
     def step(batch: dict[str, torch.Tensor], pairs: list, on_policy: bool) -> StepLoss:
         keys = None if teachers is None else [sequence_key(*p) for p in pairs]
-        loss, unrolled = eagle3_train.step_loss(draft, target, batch, recipe.distill, cache=teachers, keys=keys)
+        loss, unrolled = train_step.step_loss(draft, target, batch, recipe.distill, cache=teachers, keys=keys)
         agreement = unrolled.get("train/acc_0", 0.0)
         scored = int(unrolled.pop("train/teacher_forwards"))
         return StepLoss(loss, agreement, scored, unrolled)
@@ -156,7 +152,7 @@ def loss_step(
 
 def served(model: nn.Module) -> decoding.Eagle3Head:
     """The head itself, not its training unroll."""
-    return eagle3_train.head_of(model)
+    return train_step.head_of(model)
 
 
 def save_checkpoint(
@@ -165,7 +161,7 @@ def save_checkpoint(
     """The served format (config.json + model.safetensors) and the target's tokenizer, which engines and the
     model card read; the speculators keys name the recipe's target and the gamma `result` (the checkpoint's
     evaluation) measured, so that `vllm serve best/` runs them with no flags."""
-    from decode.kinds.eagle3_formats import verifier_name
+    from decode.kinds.eagle3.formats import verifier_name
     from decode.metrics import best_gamma
 
     verifier = verifier_name(recipe.target.model)

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from decode.kinds.standalone import TRAITS
 from decode.kv_stream import KVStream
 from decode.sampling import sample
 
-NAME = "standalone"
-BLOCK = False  # one draft forward per drafted token
+NAME = TRAITS.name
 
 
 @dataclass

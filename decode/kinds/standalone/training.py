@@ -3,7 +3,7 @@
 It is loaded from draft.model (a sibling, a pretrained small LM, or `draft.init: truncate`'s cut of the target)
 before the data; each step runs it on the batch's tokens and compares its logits with the target's
 (:func:`step_loss`). As a speculative draft it speeds up the target's own rollouts, HF assisted generation runs
-it, and a checkpoint is an ordinary HF checkpoint (decoding side: ``decode.kinds.standalone``).
+it, and a checkpoint is an ordinary HF checkpoint (decoding side: ``decode.kinds.standalone.decoding``).
 """
 
 from __future__ import annotations
@@ -16,25 +16,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from decode.kinds import standalone
+from decode.kinds.standalone import TRAITS  # noqa: F401  (the kind's facts: distill.kinds.interface.Kind)
 from distill import models
 from distill.config import Recipe
 from distill.data.prompts import draft_vocabulary, vocabulary_text
 from distill.kinds.interface import StepLoss
 from distill.training import losses, subset_loss, teacher_cache
 
-NAME = standalone.NAME
-DESCRIPTION = "a standalone draft LM"
-LOADS_DRAFT_MODEL = True
-HF_ASSISTED = True
-GENERATES_ROLLOUTS = True
-# a plain causal LM: a folder saved as any other kind (a head, a PARD or DFlash draft) is not one to train as a chain
-FOLDER_KINDS: tuple[str, ...] = ()
-
 
 def check_inputs(recipe: Recipe, target: str | None, target_config: Callable[[], Any]) -> None:
     """Nothing of its own: distill.training.preflight refuses a draft.model folder saved as another kind
-    (:data:`FOLDER_KINDS`) and checks its vocabulary against the target's, as for any draft LM."""
+    (``TRAITS.folder_kinds``) and checks its vocabulary against the target's, as for any draft LM."""
 
 
 def load_draft(recipe: Recipe, device: torch.device) -> tuple[nn.Module, Any]:

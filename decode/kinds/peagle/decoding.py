@@ -23,12 +23,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from decode.kinds import eagle3
-from decode.kinds.eagle3 import cost_stream  # noqa: F401  (the head's forwards, timed as an EAGLE-3 head's)
-from decode.kinds.standalone import draft_tokens, stack
+from decode.kinds.eagle3 import decoding as eagle3
+from decode.kinds.eagle3.decoding import cost_stream  # noqa: F401  (the head's forwards, timed as an EAGLE-3 head's)
+from decode.kinds.peagle import TRAITS
+from decode.kinds.standalone.decoding import draft_tokens, stack
 
-NAME = "peagle"
-BLOCK = True  # the whole block in one draft forward
+NAME = TRAITS.name
 MAX_BLOCK = 16  # the largest block a head is built for (the bench's verify-cost curve covers K = 1..16)
 
 
