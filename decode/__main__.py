@@ -12,13 +12,13 @@ Example (the stdlib reference pair built by recipes/pretrain/stdlib-*.yaml, gree
         --draft runs/stdlib-pair/draft --prompts runs/stdlib-pair/prompts/stdlib-eval.jsonl \\
         --limit 30 --num-draft-tokens auto --json bench.json --plot bench.png
 
-``--engine vllm`` measures the same pair inside vLLM (``speculative_config`` method ``draft_model``): vLLM's
-acceptance counters and vLLM-with-draft vs vLLM target-only tokens/s (``decode.vllm_engine``; needs
-``pip install "draftsmith[vllm]"``).
+``--engine vllm`` measures the same pair inside vLLM (``speculative_config`` with the method that serves the
+draft's kind): vLLM's acceptance counters and vLLM-with-draft vs vLLM target-only tokens/s (``decode.vllm_engine``;
+needs ``pip install "draftsmith[vllm]"``).
 
 Errors in the inputs (missing or empty prompt file, a model path that does not exist, vocabulary mismatch, chat
-prompts for a tokenizer without a chat template, a GGUF file of an architecture transformers cannot load, an EAGLE-3
-head made for another target, prompt past the context) print one ``error: ...`` line and exit with status 2,
+prompts for a tokenizer without a chat template, a GGUF file of an architecture transformers cannot load, a draft
+built for another target, prompt past the context) print one ``error: ...`` line and exit with status 2,
 writing nothing; all but the last are found before any weights load. So are output paths that cannot be
 written (``--json``, ``--plot``, ``--samples-out``: a directory, a read-only place, a missing directory that cannot
 be created), and a model that ships its own Python code (``auto_map``), which runs only with
@@ -44,20 +44,19 @@ if TYPE_CHECKING:  # imported lazily at run time: --help stays fast
 
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("draftsmith", "vllm")
-HF_CANNOT_RUN_EAGLE3 = (
-    "HF assisted generation cannot run an EAGLE-3 head (generate(assistant_model=...) takes a standalone causal "
-    "LM): use --baselines target, and serve the head with vLLM (method eagle3) or SGLang (EAGLE3)"
-)
-HF_CANNOT_RUN_DFLASH = (
-    "HF assisted generation cannot run a DFlash draft (generate(assistant_model=...) takes a standalone causal LM; "
-    'a DFlash draft reads the target\'s hidden states): use --baselines target, and serve it with vLLM ({"method": '
-    '"dflash"})'
-)
-HF_CANNOT_RUN_PARD = (
-    "HF assisted generation cannot run a PARD draft's block (it would draft a chain, never reading the mask "
-    'tokens it was trained on): use --baselines target, and serve it with vLLM ({"method": "draft_model", '
-    '"parallel_drafting": true})'
-)
+
+
+def hf_cannot_run(kind: str) -> str:
+    """The error line for HF assisted generation asked to run a draft of ``kind``, whose ``hf_assisted`` trait is
+    false: what serves it instead (its vLLM method, from its traits)."""
+    from decode import kinds
+
+    t = kinds.traits(kind)
+    spec = {"method": t.vllm_method, **({"parallel_drafting": True} if t.vllm_parallel_drafting else {})}
+    return (
+        f"HF assisted generation cannot run {t.description} (generate(assistant_model=...) drafts a chain with a "
+        f"plain causal LM): use --baselines target, and serve it with vLLM ({json.dumps(spec)})"
+    )
 
 
 def _draft_tokens(value: str) -> int | str:
@@ -110,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument(
         "--baselines", type=_baselines, default=None,
-        help="comma list of: target, hf (default: both; target for an EAGLE-3 head, which HF cannot run)",
+        help="comma list of: target, hf (default: both; target alone for a draft HF assisted generation cannot run)",
     )  # fmt: skip
     b.add_argument("--json", dest="json_out", default=None, help="write the result object here")
     b.add_argument("--plot", default=None, help="PNG: per-position acceptance and tokens/s per method")
@@ -178,26 +177,25 @@ def draft_vocab_ids(value: str, draft: str) -> list[int] | None:
     return load_ids(value)
 
 
-def default_baselines(
-    requested: tuple[str, ...] | None, eagle3_head: bool, pard: bool = False, dflash: bool = False
-) -> tuple[str, ...]:
-    """``--baselines``: what was asked, else target and HF assisted (target alone for an EAGLE-3 head, a PARD
-    draft or a DFlash draft, which HF assisted generation cannot run)."""
+def default_baselines(requested: tuple[str, ...] | None, kind: str) -> tuple[str, ...]:
+    """``--baselines``: what was asked, else target and HF assisted (target alone for a ``kind`` HF assisted
+    generation cannot run: its ``hf_assisted`` trait)."""
+    from decode import kinds
+
+    runs_hf = kinds.traits(kind).hf_assisted
     if requested is None:
-        return ("target",) if eagle3_head or pard or dflash else ("target", "hf")
-    if (eagle3_head or pard or dflash) and "hf" in requested:
-        raise ValueError(
-            HF_CANNOT_RUN_EAGLE3 if eagle3_head else (HF_CANNOT_RUN_DFLASH if dflash else HF_CANNOT_RUN_PARD)
-        )
+        return ("target", "hf") if runs_hf else ("target",)
+    if not runs_hf and "hf" in requested:
+        raise ValueError(hf_cannot_run(kind))
     return requested
 
 
 def check_block_length(draft: str, num_draft_tokens: int | str) -> None:
     """A fixed ``--num-draft-tokens`` above the block a block draft's folder says it was trained for: one
     ValueError line, before any weights load."""
-    from decode.vllm_engine import draft_block
+    from decode.kinds.dispatch import folder_block
 
-    block = draft_block(draft)
+    block = folder_block(draft)
     if block is not None and str(num_draft_tokens).isdigit() and int(num_draft_tokens) > block:
         raise ValueError(
             f"--num-draft-tokens {num_draft_tokens} is above the block of {block} tokens the block draft {draft} was "
@@ -212,21 +210,17 @@ def check_inputs(args: argparse.Namespace) -> tuple[Any, Any, list[dict]]:
     Returns:
         (target tokenizer, draft tokenizer, prompt rows).
     """
-    from decode import sources
+    from decode import kinds, sources
     from decode.compat import check_vocab_compatible
-    from decode.kinds.dflash import decoding as dflash
-    from decode.kinds.eagle3 import decoding as eagle3
+    from decode.kinds.dispatch import MODULES, read_as
     from decode.prompts import load_prompts
 
     trust = {"trust_remote_code": args.trust_remote_code}
     target_tok = sources.load_tokenizer(args.target, key="--target", **trust)
-    raw = dflash.folder_config_dict(args.draft)
-    if raw is not None:  # a DFlash draft reads the target's states and writes through its output layer
-        dflash.fitted_config(raw, args.draft, sources.load_config(args.target, key="--target", **trust), args.target)
-        return target_tok, target_tok, load_prompts(args.prompts, tokenizer=target_tok)
-    if eagle3.is_eagle3(args.draft):  # a head over the target's own states: the target's tokens by construction
+    kind = read_as(args.draft)
+    if not kinds.traits(kind).loads_draft_model:  # built from the target: its tokens by construction
         target_config = sources.load_config(args.target, key="--target", **trust)
-        eagle3.folder_config(args.draft, target_config, args.target)  # made for this target?
+        MODULES[kind].check_folder(args.draft, target_config, args.target)  # made for this target?
         return target_tok, target_tok, load_prompts(args.prompts, tokenizer=target_tok)
     draft_tok = sources.load_tokenizer(args.draft, key="--draft", **trust)
     target_shape = sources.config_only(args.target, key="--target", **trust)
@@ -330,12 +324,12 @@ def write_outputs(result: dict, args: argparse.Namespace) -> list[str]:
 
 
 def read_by_draftsmith(draft: str) -> bool:
-    """A draft folder that draftsmith's own code reads (an EAGLE-3 head, a DFlash draft), and vLLM its own: an
-    ``auto_map`` in it is never imported."""
-    from decode.kinds.dflash import decoding as dflash
-    from decode.kinds.eagle3 import decoding as eagle3
+    """A draft folder that draftsmith's own code reads (a draft built from the target: its kind's ``load``), and
+    vLLM its own: an ``auto_map`` in it is never imported."""
+    from decode import kinds
+    from decode.kinds.dispatch import read_as
 
-    return eagle3.is_eagle3(draft) or dflash.is_dflash_folder(draft)
+    return not kinds.traits(read_as(draft)).loads_draft_model
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -370,28 +364,25 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
     """The default engine: draftsmith's decoder against target-only and HF assisted generation."""
     import torch
 
+    from decode import kinds
     from decode.bench import run_bench
     from decode.compat import check_vocab_compatible
-    from decode.kinds.dflash import decoding as dflash
-    from decode.kinds.eagle3 import decoding as eagle3
-    from decode.kinds.pard import decoding as pard
+    from decode.kinds.dispatch import MODULES, read_as
 
-    block_states = dflash.is_dflash_folder(args.draft)
-    head = eagle3.is_eagle3(args.draft)
-    block_lm = pard.is_pard_folder(args.draft)
+    kind = read_as(args.draft)
+    built = not kinds.traits(kind).loads_draft_model  # built from the target: loaded by its kind's module
     if str(args.num_draft_tokens).startswith("tree:"):  # before any weights load
         from decode.tree import check_tree
 
-        kind = "dflash" if block_states else ("eagle3" if head else ("pard" if block_lm else "standalone"))
         check_tree(kind, args.batch_size, args.temperature)
-    baselines = default_baselines(args.baselines, head, block_lm, block_states)
+    baselines = default_baselines(args.baselines, kind)
     check_block_length(args.draft, args.num_draft_tokens)
     target_tok, draft_tok, prompts = check_inputs(args)
-    if head and args.draft_vocab not in ("auto", "full"):
-        raise ValueError("an EAGLE-3 head drafts from the draft vocabulary it was trained with: drop --draft-vocab")
-    if block_states and args.draft_vocab not in ("auto", "full"):
-        raise ValueError("a DFlash draft drafts through the target's whole output layer: drop --draft-vocab")
-    draft_vocab = None if head or block_states else draft_vocab_ids(args.draft_vocab, args.draft)
+    if built and args.draft_vocab not in ("auto", "full"):
+        raise ValueError(
+            f"{kinds.traits(kind).description} drafts from the vocabulary it was built with: drop --draft-vocab"
+        )
+    draft_vocab = None if built else draft_vocab_ids(args.draft_vocab, args.draft)
     device = (
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if args.device == "auto"
@@ -400,10 +391,8 @@ def bench_draftsmith(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(device)
     target = _load(args.target, dtype, device, "--target", args.trust_remote_code)
     draft_dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else dtype
-    if block_states:
-        draft = dflash.load(args.draft, target).to(draft_dtype)
-    elif head:
-        draft = eagle3.load(args.draft, target).to(draft_dtype)
+    if built:
+        draft = MODULES[kind].load(args.draft, target).to(draft_dtype)
     else:
         draft = _load(args.draft, draft_dtype, device, "--draft", args.trust_remote_code)
     check_vocab_compatible(target, draft, target_tok, draft_tok)  # the loaded output widths (padded embeddings)

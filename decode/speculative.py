@@ -33,7 +33,7 @@ from decode import acceptance, tree
 from decode.compat import check_context, logits_width
 from decode.draft_length import AutoDraftLength, FixedDraftLength, TreeShape, is_tree_spec, parse_tree
 from decode.kinds.dispatch import BLOCK_KINDS, Verified, check_draft_length, drafter_for, kind_of
-from decode.kinds.standalone.decoding import all_real
+from decode.kinds.drafting import all_real
 from decode.kv_stream import KVStream, decoding
 from decode.output import Emitter, SpecOutput, SpecStats, eos_ids, pack
 from decode.sampling import process_logits, sample, validate_sampling

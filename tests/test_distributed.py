@@ -240,3 +240,48 @@ def test_process_group_timeout():
 
 if __name__ == "__main__" and sys.argv[1:2] == ["fsdp-worker"]:
     _fsdp_worker(*sys.argv[2:4])
+
+
+def _built_drafts(target) -> dict:
+    """A tiny draft of every kind that builds its draft from the target, as it trains."""
+    from decode.kinds.dflash import decoding as dflash
+    from decode.kinds.dspark import decoding as dspark
+    from decode.kinds.eagle3 import decoding as eagle3
+    from decode.kinds.peagle import decoding as peagle
+
+    vocab = list(range(target.config.vocab_size // 2))
+    return {
+        "eagle3": eagle3.build(target, vocab, aux_layers=[1, 2, 3]),
+        "peagle": peagle.build(target, vocab, [1, 2, 3], block_size=3, mask_token_id=0),
+        "dflash": dflash.build(target, [0, 1, 2], num_layers=1, block_size=3, mask_token_id=0),
+        "dspark": dspark.build(target, None, num_layers=1, block_size=3, mask_token_id=0, markov_rank=4,
+                               confidence_min=None),
+    }  # fmt: skip
+
+
+def test_fsdp_is_refused_for_every_kind_whose_draft_rank_0_cannot_rebuild():
+    """Rank 0 rebuilds a sharded draft as a causal LM from its gathered state dict (plain_copy): that works for a
+    draft LM and fails for every kind that builds its draft from the target, so an FSDP launch is refused, in one
+    line naming the kind, for exactly those kinds."""
+    from decode import kinds
+    from distill.config import load_recipe
+    from distill.training.distributed import check_launch, plain_copy
+    from tests.tiny import tiny_llama
+
+    target = tiny_llama(64, 0, layers=4)
+    plain_copy(target, target.state_dict())  # a causal LM: rebuilt
+    built = _built_drafts(target)
+    assert set(built) == {n for n, t in kinds.KINDS.items() if not t.loads_draft_model}
+    for draft in built.values():
+        with pytest.raises(RuntimeError, match="LlamaForCausalLM"):
+            plain_copy(draft, draft.state_dict())
+    fsdp = {"ACCELERATE_USE_FSDP": "true"}
+    for name, traits in kinds.KINDS.items():
+        recipe = load_recipe(None, [f"draft.kind={name}", "target.model=t"])
+        if traits.loads_draft_model:
+            assert check_launch(recipe, fsdp) == "fsdp" and check_launch(recipe, {}) is None
+            continue
+        with pytest.raises(ValueError, match=rf"^draft.kind={name} trains a draft built from the target") as err:
+            check_launch(recipe, fsdp)
+        assert "\n" not in str(err.value) and "multi_gpu.yaml" in str(err.value)
+        assert check_launch(recipe, {}) is None

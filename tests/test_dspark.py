@@ -316,3 +316,27 @@ def _target(path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+def test_bench_cli_measures_a_saved_dspark_folder_and_refuses_hf(tmp_path, pair):
+    """``python -m decode bench --draft DSPARK_FOLDER``: the folder is read as a DSpark draft (its kind, its block,
+    the target it was made for), greedy output equals target-only, HF assisted generation is refused in one line."""
+    from decode.__main__ import main
+    from tests.tiny import char_tokenizer, make_prompts
+
+    target, draft = pair
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer().save_pretrained(tmp_path / "target")
+    dspark.save(draft, tmp_path / "draft", target_name="t")
+    prompts = make_prompts(tmp_path / "p.jsonl", 2, chars=12)
+    argv = ["bench", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompts",
+            str(prompts), "--repeats", "1", "--dtype", "float32", "--no-progress",
+            "--max-new-tokens", "12"]  # fmt: skip
+    out = tmp_path / "bench.json"
+    assert main([*argv, "--num-draft-tokens", str(BLOCK), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["draft_kind"] == "dspark" and result["outputs_match_target"] is True
+    assert result["tokens_per_s"]["hf_assisted"] is None and len(result["per_position_acceptance"]) == BLOCK
+    assert result["mean_num_draft_tokens"] > 0 and result["draft_cost_ratio"] > 0
+    assert main([*argv, "--baselines", "target,hf"]) == 2
+    assert main([*argv, "--num-draft-tokens", str(BLOCK + 1)]) == 2  # above its block: refused before loading

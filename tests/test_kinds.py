@@ -99,10 +99,10 @@ def test_the_recipe_reads_the_kinds_traits():
 
     kinds_by = {
         field: {n for n, t in registry.KINDS.items() if getattr(t, field)}
-        for field in ("block", "dflash_backbone", "reads_hidden_states")
+        for field in ("block", "layer_output_context", "reads_hidden_states")
     }
     assert set(config.BLOCK_KINDS) == kinds_by["block"]
-    assert set(config.DFLASH_KINDS) == kinds_by["dflash_backbone"]
+    assert set(config.LAYER_OUTPUT_KINDS) == kinds_by["layer_output_context"]
     assert {n for n in registry.KINDS if config.is_head(n)} == kinds_by["reads_hidden_states"]
     assert config.KIND_KEYS == {"markov_rank": "dspark", "confidence_min": "dspark"}
 
@@ -152,3 +152,86 @@ def test_a_run_goes_through_the_registered_module(tmp_path, monkeypatch, capsys)
     assert calls[:5] == ["check_inputs", "load_draft", "cache_teacher", "decoding_vocab", "loss_step"]
     assert calls.count("served") == 2 and calls.count("save_checkpoint") == 2
     assert "build_draft" not in calls  # a loaded draft is not built from the target
+
+
+PUBLISHING = ("SERVED_FILES", "facts", "made", "assistant_line", "vocab_line", "usage")
+
+
+def test_every_kind_publishes_and_checks_its_recipe_through_the_same_names():
+    """Each kind's publishing module (its published folder's facts, its card's words and launch lines) and recipe
+    module (what it refuses of a recipe) give the same names with the same parameters as the plain kind's."""
+    plain_pub, plain_recipe = registry.publishing(registry.PLAIN_LM), registry.recipe(registry.PLAIN_LM)
+    for name in registry.names():
+        pub, rec = registry.publishing(name), registry.recipe(name)
+        assert pub.__name__ == f"decode.kinds.{name}.publishing" and rec.__name__ == f"decode.kinds.{name}.recipe"
+        missing = [m for m in PUBLISHING if not hasattr(pub, m)]
+        assert not missing, f"decode.kinds.{name}.publishing lacks {missing}"
+        for member in PUBLISHING[1:]:
+            have, want = inspect.signature(getattr(pub, member)), inspect.signature(getattr(plain_pub, member))
+            assert list(have.parameters) == list(want.parameters), f"{name}.{member}"
+        assert list(inspect.signature(rec.problems).parameters) == list(
+            inspect.signature(plain_recipe.problems).parameters
+        )
+        # a draft built from the target is published as saved, a draft LM through transformers
+        assert bool(pub.SERVED_FILES) == (not registry.traits(name).loads_draft_model), name
+
+
+# What the decoder, the bench and the vLLM engine ask of every kind's decoding module (decode.kinds.dispatch).
+DECODER_MEMBERS = ("drafter", "cost_stream", "block_of", "check_draft_length", "is_model", "is_folder",
+                   "folder_block", "check_folder", "vllm_problem")  # fmt: skip
+
+
+def test_every_kinds_decoding_module_has_what_the_decoder_asks():
+    from decode.kinds.dispatch import MODULES
+
+    assert list(MODULES) == list(registry.names())
+    for name, module in MODULES.items():
+        t = registry.traits(name)
+        want = (*DECODER_MEMBERS, *(() if t.loads_draft_model else ("load",)), *(("tree_drafter",) * t.draft_tree))
+        missing = [m for m in want if not callable(getattr(module, m, None))]
+        assert not missing, f"decode.kinds.{name}.decoding lacks {missing}"
+
+
+def saved_folders(root: Path) -> dict[str | None, tuple[Path, int | None]]:
+    """One folder of each kind as draftsmith saves it, without its recorded draftsmith.draft_kind (the layout alone
+    must tell the kind), by the kind folder_kind must give (None: a plain causal LM), with its block."""
+    import json
+
+    from decode.kinds.dflash import decoding as dflash
+    from decode.kinds.dspark import decoding as dspark
+    from decode.kinds.eagle3 import decoding as eagle3
+    from decode.kinds.pard import decoding as pard
+    from decode.kinds.peagle import decoding as peagle
+    from tests.test_eagle3 import tiny_target
+
+    target = tiny_target("llama")
+    head = eagle3.build(target, range(target.config.vocab_size))
+    eagle3.save(head, root / "eagle3")
+    eagle3.save(peagle.with_mask(head, block_size=3, mask_token_id=1), root / "peagle")
+    dflash.save(dflash.build(target, None, num_layers=1, block_size=4, mask_token_id=1), root / "dflash")
+    dspark.save(
+        dspark.build(target, None, num_layers=1, block_size=5, mask_token_id=1, markov_rank=4), root / "dspark"
+    )
+    tiny_target("llama", layers=1).save_pretrained(root / "standalone")
+    pard.mark(tiny_target("llama", layers=1), block_size=6, pard_token=1).save_pretrained(root / "pard")
+    for name in ("eagle3", "peagle", "dflash", "dspark", "standalone", "pard"):
+        config = json.loads((root / name / "config.json").read_text())
+        config.pop("draftsmith", None)
+        (root / name / "config.json").write_text(json.dumps(config))
+    blocks = {"eagle3": None, "peagle": 3, "dflash": 4, "dspark": 5, "standalone": None, "pard": 6}
+    return {(None if n == registry.PLAIN_LM else n): (root / n, b) for n, b in blocks.items()}
+
+
+def test_a_saved_folder_is_claimed_by_its_own_kind_alone(tmp_path):
+    """``decode.kinds.dispatch.folder_kind``, distill's (the same function) and the bench read a folder's kind from
+    its layout: each kind's ``is_folder`` claims its own layout and no other kind's; a plain causal LM is no kind's."""
+    from decode.kinds.dispatch import MODULES, folder_block, folder_kind, read_as
+
+    assert kinds.folder_kind is folder_kind
+    folders = saved_folders(tmp_path)
+    assert set(folders) == {None, *(n for n in registry.names() if n != registry.PLAIN_LM)}
+    for kind, (folder, block) in folders.items():
+        assert [n for n, m in MODULES.items() if m.is_folder(folder)] == ([kind] if kind else []), folder
+        assert folder_kind(folder) == kind and folder_block(folder) == block, folder
+        assert read_as(folder) == (kind or registry.PLAIN_LM)
+    assert folder_kind(tmp_path / "missing") is None and folder_kind("some/hub-id") is None

@@ -233,15 +233,17 @@ def test_a_pard_recipe_refuses_what_its_step_does_not_run_in_one_line(override, 
 def test_hf_assisted_on_a_pard_folder_is_one_error_line(tmp_path):
     """``decode bench --baselines target,hf`` on a PARD draft folder: one line naming the fix, before any weights
     load; the default baselines leave HF assisted generation out."""
-    from decode.__main__ import HF_CANNOT_RUN_PARD, default_baselines
+    from decode.__main__ import default_baselines, hf_cannot_run
+    from decode.kinds.dispatch import read_as
 
     _, draft = tiny_pair()
     draft.save_pretrained(tmp_path / "draft")
     assert pard.is_pard_folder(tmp_path / "draft") and not pard.is_pard_folder(tmp_path)
-    assert default_baselines(None, False, pard=True) == ("target",)
+    assert read_as(tmp_path / "draft") == "pard"
+    assert default_baselines(None, "pard") == ("target",) and default_baselines(None, "standalone") == ("target", "hf")
     with pytest.raises(ValueError, match="use --baselines target") as info:
-        default_baselines(("target", "hf"), False, pard=True)
-    assert str(info.value) == HF_CANNOT_RUN_PARD
+        default_baselines(("target", "hf"), "pard")
+    assert str(info.value) == hf_cannot_run("pard") and '"parallel_drafting": true' in str(info.value)
 
 
 def test_a_pard_draft_trained_elsewhere_has_no_block_limit_but_16(tmp_path):

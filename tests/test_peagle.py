@@ -198,13 +198,16 @@ def test_an_eagle3_head_warm_starts_a_block_head():
 def test_vllm_speculative_config_of_a_block_head():
     from decode.vllm_engine import speculative_config
 
-    spec = speculative_config("eagle3", "h", 3, "greedy", True, block=4, has_parallel=True)
-    assert spec["parallel_drafting"] is True and spec["num_speculative_tokens"] == 3
+    spec = speculative_config("peagle", "h", 3, "greedy", True, block=4, has_parallel=True)
+    assert spec["parallel_drafting"] is True and spec["num_speculative_tokens"] == 3 and spec["method"] == "eagle3"
     with pytest.raises(ValueError, match="install vLLM >= 0.16.0"):
-        speculative_config("eagle3", "h", 3, "greedy", True, block=4, has_parallel=False)
+        speculative_config("peagle", "h", 3, "greedy", True, block=4, has_parallel=False)
     with pytest.raises(ValueError, match="above the block of 4 tokens"):
-        speculative_config("eagle3", "h", 5, "greedy", True, block=4, has_parallel=True)
+        speculative_config("peagle", "h", 5, "greedy", True, block=4, has_parallel=True)
     assert "parallel_drafting" not in speculative_config("eagle3", "h", 3, "greedy", True)
+    # a kind whose method drafts its block by itself (its vllm_parallel_drafting trait false) needs no such setting
+    dflash = speculative_config("dflash", "d", 3, "greedy", True, block=4, has_parallel=False)
+    assert dflash["method"] == "dflash" and "parallel_drafting" not in dflash
 
 
 def test_the_drafter_proposes_the_trained_block_positions(pair):

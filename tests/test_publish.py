@@ -887,7 +887,7 @@ def test_eagle3_head_is_published_as_served(eagle3_run, tmp_path):
 def test_an_eagle3_card_measured_with_a_tree_gives_the_tree_launch_lines():
     """SGLang and draftsmith draft the measured tree (SGLang counts the root among its draft tokens); vLLM drafts a
     chain as deep as the tree."""
-    from distill.publishing.card import eagle3_usage
+    from decode.kinds.eagle3.publishing import head_usage as eagle3_usage
 
     text = "\n".join(eagle3_usage("org/target", "me/head", 4, "tree:3,4,8"))
     assert "--speculative-num-steps 4 \\" in text
@@ -1009,7 +1009,8 @@ def test_published_eagle3_head_names_its_verifier_for_vllm(eagle3_run, tmp_path)
 
 
 def test_card_vllm_lines_follow_the_recipes_draft_sample_method():
-    from distill.publishing.card import eagle3_usage, vllm_spec
+    from decode.kinds.eagle3.publishing import head_usage as eagle3_usage
+    from decode.kinds.standalone.publishing import vllm_spec
 
     assert json.loads(vllm_spec("me/d", 3))["draft_sample_method"] == "probabilistic"
     assert "draft_sample_method" not in json.loads(vllm_spec("me/d", 3, "greedy"))
@@ -1139,3 +1140,62 @@ def test_a_pard_draft_is_published_with_parallel_drafting_launch_lines(run_dir, 
     assert "assistant_model=draft" not in card and "--speculative-algorithm STANDALONE" not in card
     info = json.loads((out / "draftsmith_eval.json").read_text())
     assert info["draft_kind"] == "pard" and info["block_size"] == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A DSpark draft: trained by train/distill.py, published as speculators' dspark layout, served with method dspark
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dspark_run(tmp_path_factory) -> Path:
+    """Two steps of train/distill.py on a tiny local target: a run whose best/ is a DSpark draft of block 3."""
+    from tests.procs import load_script
+    from tests.test_eagle3_train import head_recipe
+    from tests.tiny import make_pair, make_prompts
+
+    root = tmp_path_factory.mktemp("dspark-publish")
+    target, _ = make_pair(root / "assets")
+    assets = {
+        "target": target,
+        "train": make_prompts(root / "train.jsonl", 8, seed=1),
+        "eval": make_prompts(root / "eval.jsonl", 2, seed=2),
+    }
+    draft = {"kind": "dspark", "vocab_subset": 0, "block_size": 3, "markov_rank": 4, "confidence_min": 0.1}
+    recipe = head_recipe(
+        assets, root / "run", draft=draft, distill={"anchors": 4}, train={"max_steps": 2},
+        eval={"every": 2, "num_prompts": 2}, log={"report_to": "none"},
+    )  # fmt: skip
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    load_script("train/distill.py").main(["--recipe", str(path)])
+    return root / "run"
+
+
+@pytest.mark.slow
+def test_a_trained_dspark_draft_is_published_with_vllms_dspark_launch_line(dspark_run, tmp_path):
+    """train/publish.py --dry-run on a DSpark run: the draft's config.json and weights as saved (speculators' dspark
+    layout, its verifier no path of this machine) and the target's tokenizer; a card with the run's measured
+    figures, vLLM's method dspark line with the trained block and no SGLang or HF assisted line;
+    draftsmith_eval.json records the kind, the block and the figures."""
+    repo = "someone/tiny-spark"
+    out = tmp_path / "pub"
+    proc = run_cli(str(dspark_run), "--repo-id", repo, "--dry-run", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    best = dspark_run / "best"
+    assert (out / "model.safetensors").read_bytes() == (best / "model.safetensors").read_bytes()
+    assert (out / "tokenizer.json").is_file() and not (out / "generation_config.json").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "dspark" and config["architectures"] == ["DSparkSpeculator"]
+    assert config["block_size"] == 4 and config["markov_rank"] == 4
+    assert config["speculators_config"]["verifier"] == {"name_or_path": None, "architectures": []}
+    assert str(tmp_path.parent) not in (out / "config.json").read_text()
+    card = (out / "README.md").read_text()
+    assert "a DSpark draft (a block of 3 tokens per forward)" in card and "Markov bias of rank 4" in card
+    spec = json.dumps({"method": "dspark", "model": repo, "num_speculative_tokens": 3})
+    assert f"vllm serve {Path(dspark_run).parent.name}" not in card  # the target's public name, not a path
+    assert f"--speculative-config '{spec}'" in card
+    assert "sglang" not in card.lower() and "HF assisted generation cannot run a DSpark draft" in card
+    measured = json.loads((best / "eval.json").read_text())
+    assert f"{measured['acceptance_rate']:.3f}" in card and f"{measured['speedup']['vs_target']:.2f}x" in card
+    info = json.loads((out / "draftsmith_eval.json").read_text())
+    assert info["draft_kind"] == "dspark" and info["block_size"] == 3
+    assert info["best"]["acceptance_rate"] == measured["acceptance_rate"]

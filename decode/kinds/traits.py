@@ -16,14 +16,15 @@ class KindTraits:
     description: str  # what it is, with its article, for messages: "an EAGLE-3 head"
     block: bool  # a whole block per draft forward (else one forward per drafted token)
     reads_hidden_states: bool  # it drafts from the target's hidden states (built from the target, served next to it)
-    # DFlash's backbone: the target's layer outputs at draft.aux_layers (1 or more, DFlash's target_layer_ids) as its
-    # context, trained on block anchors sampled from each sequence (distill.anchors)
-    dflash_backbone: bool
+    # its context is the target's layer outputs at draft.aux_layers (1 or more: target_layer_ids, as DFlash names
+    # them), and it trains on block anchors sampled from each sequence (distill.anchors)
+    layer_output_context: bool
     loads_draft_model: bool  # draft.model is a model to load (else the draft is built from the target)
     hf_assisted: bool  # HF assisted generation can run it
     generates_rollouts: bool  # it can speed up the target's rollouts as a speculative draft
     folder_kinds: tuple[str, ...]  # the kinds of saved draft folder draft.model may hold (distill.kinds.folder_kind)
     vllm_method: str  # vLLM's speculative_config method that serves it
     vllm_parallel_drafting: bool  # vLLM serves it with parallel_drafting (its block in one forward)
+    draft_tree: bool  # drafts a greedy tree (tree:TOPK,DEPTH,NODES; decode.tree): its decoding gives tree_drafter
     llamacpp_spec_type: str | None  # llama.cpp's speculative type that serves it; None: llama.cpp cannot
     recipe_keys: tuple[str, ...]  # the draft.* keys only the kinds that list them read (a key one kind lists: its own)

@@ -26,17 +26,28 @@ docs/draft-kinds.md has the table of what each kind does.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from decode import kinds as registry
+from decode.kinds.dispatch import folder_kind  # the kind a saved draft folder holds (None: a plain causal LM)
 from distill.config import Recipe
 from distill.kinds.interface import Kind, StepLoss
 
 __all__ = ["KINDS", "Kind", "StepLoss", "engine_limits", "folder_kind", "get"]
 
-# draft.kind -> its training module, in the registry's order (decode.kinds: a new kind is one line there)
-KINDS: dict[str, Kind] = {name: registry.training(name) for name in registry.names()}
+# draft.kind -> its training module, in the registry's order (decode.kinds: a new kind is one line there); built on
+# first use, because a kind's training module imports this package (its interface) while it is itself imported
+KINDS: dict[str, Kind]
+
+
+def __getattr__(name: str):
+    if name == "KINDS":
+        return _kinds()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _kinds() -> dict[str, Kind]:
+    if "KINDS" not in globals():
+        globals()["KINDS"] = {name: registry.training(name) for name in registry.names()}
+    return globals()["KINDS"]
 
 
 def get(name: str) -> Kind:
@@ -46,9 +57,10 @@ def get(name: str) -> Kind:
     Raises:
         ValueError: no such kind, naming the kinds there are.
     """
-    if name not in KINDS:
-        raise ValueError(f"draft.kind={name!r} is not a draft kind: use one of {', '.join(KINDS)}")
-    return KINDS[name]
+    found = _kinds()
+    if name not in found:
+        raise ValueError(f"draft.kind={name!r} is not a draft kind: use one of {', '.join(found)}")
+    return found[name]
 
 
 def engine_limits(recipe: Recipe, kind: Kind) -> str | None:
@@ -58,23 +70,3 @@ def engine_limits(recipe: Recipe, kind: Kind) -> str | None:
         return None
     recipe.eval.hf_assisted = False
     return f"note: eval.hf_assisted=false: HF assisted generation cannot run {kind.TRAITS.description}"
-
-
-def folder_kind(path: str) -> str | None:
-    """The kind of draft a local folder holds: the ``draftsmith.draft_kind`` its config.json records (draftsmith
-    writes it with every draft it builds from the target), else the kind its layout marks (an EAGLE-3, P-EAGLE or
-    DFlash config, a PARD draft's ``pard_token``: ``decode.vllm_engine.draft_kind``). None for a plain causal LM,
-    which any kind that loads a draft LM reads, and for what is not a local folder (a hub id, a GGUF file)."""
-    from decode.vllm_engine import draft_kind
-
-    try:
-        raw = json.loads((Path(path).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(raw, dict):
-        return None
-    recorded = raw.get("draftsmith")
-    recorded = recorded.get("draft_kind") if isinstance(recorded, dict) else None
-    found = recorded if recorded in registry.KINDS else draft_kind(str(Path(path).expanduser()))
-    # a kind that starts from no saved kind of folder (standalone) saves a plain causal LM: no kind to keep to
-    return found if registry.traits(found).folder_kinds else None

@@ -11,12 +11,12 @@ target, base_model, repo figures (`best`, `base`, `engines`), gamma, hardware, p
 from __future__ import annotations
 
 import json
+from types import ModuleType
 from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from decode import kinds
-from decode.draft_length import is_tree_spec
 from decode.draft_vocab import MAX_MASS
 from distill.publishing.hub import is_hub_id
 
@@ -232,25 +232,17 @@ def _figures(info: dict) -> list[str]:
     return lines
 
 
-# heads served as EAGLE-3 heads (EAGLE-3, P-EAGLE): drafts on the target's hidden states, served by engines, not HF
-# assisted
-HEAD_KINDS = tuple(n for n, t in kinds.KINDS.items() if t.vllm_method == "eagle3")
-
-
-def is_head_card(info: dict) -> bool:
-    """The card is of a head that reads the target's hidden states (EAGLE-3, P-EAGLE)."""
-    return info.get("draft_kind") in HEAD_KINDS
+def kind_of_card(info: dict) -> ModuleType:
+    """The publishing module of the card's draft kind (``decode.kinds.<kind>.publishing``): its facts, its words
+    and its launch lines. A card that records no kind is of a plain causal LM."""
+    return kinds.publishing(info.get("draft_kind") or kinds.PLAIN_LM)
 
 
 def _draft_vocab_line(info: dict, size: int) -> str:
     """What the figures drafted from, for the kind and the files uploaded."""
-    if is_head_card(info):
-        return (
-            f"- the head drafts from its own draft vocabulary: {size} of the target's tokens (the most frequent in "
-            "its training continuations), the rows of its output layer `lm_head`; `d2t` and `t2d` in "
-            "`model.safetensors` map them to the target's ids. vLLM, SGLang and draftsmith's decoder all draft from "
-            "those tokens; lossless: the target verifies over its whole vocabulary"
-        )
+    own = kind_of_card(info).vocab_line(info, size)
+    if own is not None:
+        return own
     where = "`draft_vocab.json` (in this repo)" if info.get("draft_vocab_file") else "a draft vocabulary"
     return (
         f"- draftsmith's decoder drafted from the {size} tokens of {where} (the target's most frequent; lossless: "
@@ -281,154 +273,14 @@ def _masked_head_text(head: dict | None) -> str:
     )
 
 
-def sample_key(sample_method: str | None) -> dict:
-    """The ``draft_sample_method`` a card's vLLM lines set: probabilistic (vLLM >= 0.32 drafts from q, which
-    accepts more at T > 0) unless the recipe's eval.vllm_draft_sample_method is greedy (then vLLM's default)."""
-    return {} if sample_method == "greedy" else {"draft_sample_method": "probabilistic"}
-
-
-def vllm_spec(repo_id: str, gamma: int, sample_method: str | None = None) -> str:
-    """vLLM's `--speculative-config` for a plain draft model (method draft_model, gamma tokens per round)."""
-    spec = {"method": "draft_model", "model": repo_id, "num_speculative_tokens": gamma, **sample_key(sample_method)}
-    return json.dumps(spec)
-
-
-def eagle3_usage(
-    target: str,
-    repo_id: str,
-    gamma: int,
-    tree: str | None = None,
-    sample_method: str | None = None,
-    verifier: str | None = None,
-    block: int | None = None,
-) -> list[str]:
-    """The card's usage section for an EAGLE-3 head: what it is, then :func:`decode.kinds.eagle3.decoding.usage`
-    (vLLM's ``method: eagle3`` with the recipe's draft_sample_method, SGLang's EAGLE3, draftsmith; no HF assisted
-    generation). ``verifier``: the target the head's config.json names (speculators_config), which lets
-    ``vllm serve REPO`` run with no speculative flags; ``block``: a P-EAGLE head's block (parallel drafting)."""
-    from decode.kinds.eagle3 import decoding as eagle3
-
-    extra = sample_key(sample_method)
-    lines = eagle3.usage(target, repo_id, gamma, tree, spec_extra=extra, verifier=verifier, block=block)
-    about = eagle3.WHAT_IT_IS
-    if block:
-        about = (
-            f"A P-EAGLE head drafts up to {block} tokens in one forward (its positions after the first read a mask "
-            f"token and a learned mask feature); otherwise it is an EAGLE-3 head. {about}"
-        )
-    return ["## Usage", "", about, "", *lines]
-
-
-def dflash_usage(target: str, repo_id: str, gamma: int, block: int) -> list[str]:
-    """The card's usage section for a DFlash draft: what it is, then :func:`decode.kinds.dflash.decoding.usage` (vLLM's
-    ``method: dflash`` and draftsmith; no HF assisted generation, no SGLang line)."""
-    from decode.kinds.dflash import decoding as dflash
-
-    about = (
-        f"A DFlash draft fills a block of up to {block} tokens in one forward from the target's hidden states; it "
-        "shares the target's token embedding and output layer, so it runs inside an engine that serves it next to "
-        "the target. HF assisted generation cannot run it (it takes a standalone causal LM), nor can "
-        "`AutoModelForCausalLM.from_pretrained` load it alone."
-    )
-    return ["## Usage", "", about, "", *dflash.usage(target, repo_id, gamma, block)]
-
-
-def _vllm_serve(target: str, spec: str) -> list[str]:
-    return ["vLLM:", "", "```bash", f"vllm serve {target} --speculative-config '{spec}'", "```"]
-
-
-def _usage(target: str, repo_id: str, gamma: int, sample_method: str | None = None) -> list[str]:
-    spec = vllm_spec(repo_id, gamma, sample_method)
-    return [
-        "## Usage",
-        "",
-        "Transformers (assisted generation; the draft's `generation_config.json` carries the measured γ):",
-        "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "",
-        f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
-        f'target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto", device_map="auto")',
-        f'draft = AutoModelForCausalLM.from_pretrained("{repo_id}", dtype="auto", device_map="auto")',
-        'inputs = tokenizer("The key idea of speculative decoding is", return_tensors="pt").to(target.device)',
-        "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128, do_sample=False)",
-        "print(tokenizer.decode(out[0], skip_special_tokens=True))",
-        "```",
-        "",
-        *_vllm_serve(target, spec),
-        "",
-        "```python",
-        "from vllm import LLM, SamplingParams",
-        "",
-        f'llm = LLM(model="{target}", speculative_config={spec})',
-        "params = SamplingParams(temperature=0, max_tokens=128)",
-        'print(llm.generate(["The key idea of speculative decoding is"], params)[0].outputs[0].text)',
-        "```",
-        "",
-        "SGLang:",
-        "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {target} \\",
-        f"    --speculative-algorithm STANDALONE --speculative-draft-model-path {repo_id} \\",
-        f"    --speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}",
-        "```",
-        "",
-    ]
-
-
-def pard_usage(target: str, repo_id: str, gamma: int, block: int, sample_method: str | None = None) -> list[str]:
-    """The card's usage section for a PARD draft: vLLM's draft_model with parallel drafting (at most its block);
-    no HF assisted generation or SGLang line (both would run it as a chain, never reading its mask tokens)."""
-    k = min(gamma, block)
-    spec = json.dumps({"method": "draft_model", "model": repo_id, "num_speculative_tokens": k,
-                       "parallel_drafting": True, **sample_key(sample_method)})  # fmt: skip
-    return [
-        "## Usage",
-        "",
-        f"A PARD draft drafts up to {block} tokens in one forward: after the text it reads {block - 1} mask tokens "
-        "(its config's `pard_token`) and proposes the next token and the ones after it at once. vLLM runs it with "
-        "parallel drafting; `num_speculative_tokens` must not exceed the block.",
-        "",
-        *_vllm_serve(target, spec),
-        "",
-        "```python",
-        "from vllm import LLM, SamplingParams",
-        "",
-        f'llm = LLM(model="{target}", speculative_config={spec.replace("true", "True")})',
-        "params = SamplingParams(temperature=0, max_tokens=128)",
-        'print(llm.generate(["The key idea of speculative decoding is"], params)[0].outputs[0].text)',
-        "```",
-        "",
-        "HF assisted generation (`generate(assistant_model=...)`) and SGLang have no parallel drafting: they would "
-        "run it as a chain, one forward per token, never reading the mask tokens it was trained on.",
-        "",
-        "draftsmith's own decoder (a checkout of draftsmith):",
-        "",
-        "```bash",
-        f"python -m decode bench --target {target} --draft {repo_id} --prompts PROMPTS.jsonl --num-draft-tokens {k} "
-        "--baselines target",
-        "```",
-        "",
-    ]
-
-
 def _shell(word: str) -> str:
     """A command-line word, quoted when it holds what a shell would split or redirect (a placeholder)."""
     return f"'{word}'" if any(c in word for c in " <>") else word
 
 
 def _assistant_line(info: dict) -> str:
-    """What the published generation_config sets for HF assisted generation, and why."""
-    if is_head_card(info):
-        return "none: HF assisted generation cannot run an EAGLE-3 or P-EAGLE head"
-    if info.get("draft_kind") == "pard":
-        return "not for this draft: HF assisted generation would run a PARD draft as a chain, not its block"
-    if info.get("draft_kind") == "dflash":
-        return "none: HF assisted generation cannot run a DFlash draft"
-    chosen = info.get("generation_config") or {}
-    if isinstance(chosen.get("assistant"), dict):
-        return f"`{json.dumps(chosen['assistant'])}`: {chosen.get('why', '')}"
-    return f"`num_assistant_tokens: {info['num_assistant_tokens']}` (the measured γ), constant, no early stop"
+    """What the published generation_config sets for HF assisted generation, and why (the kind says)."""
+    return kind_of_card(info).assistant_line(info)
 
 
 def _speed_claim(best: dict) -> str:
@@ -447,45 +299,17 @@ def _speed_claim(best: dict) -> str:
 
 def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) -> str:
     """README.md for the published draft, rendered from `info` (the content of draftsmith_eval.json)."""
-    best, target, gamma = info["best"], info["target"], info["num_assistant_tokens"]
-    eagle3 = is_head_card(info)
-    head = (
-        f"a P-EAGLE head (a block of {info['block_size']} tokens per forward)"
-        if info.get("draft_kind") == "peagle"
-        else "an EAGLE-3 head"
-    )
-    made = (
-        f"{head} trained with draftsmith on the target's own hidden states ({info['method']})"
-        if eagle3
-        else f"trained from **{info['base_model']}** with draftsmith ({info['method']})"
-    )
-    if info.get("draft_kind") == "pard":
-        made = f"a PARD draft (a block of {info['block_size']} tokens per forward) {made}"
-    if info.get("draft_kind") == "dflash":
-        made = (
-            f"a DFlash draft (a block of {info['block_size']} tokens per forward) trained with draftsmith on the "
-            f"target's own hidden states ({info['method']})"
-        )
+    best, target = info["best"], info["target"]
+    kind = kind_of_card(info)
     lines = [
         f"# {repo_id.split('/')[-1]}",
         "",
-        f"A draft model for speculative decoding with **{target}** as the target, {made}. " + _speed_claim(best),
+        f"A draft model for speculative decoding with **{target}** as the target, {kind.made(info)}. "
+        + _speed_claim(best),
         "",
     ]
     lines += _figures(info)
-    if eagle3:
-        spec = best.get("num_draft_tokens")
-        tree = spec if is_tree_spec(spec) else None
-        sample = info.get("vllm_draft_sample_method")
-        lines += [""] + eagle3_usage(
-            target, repo_id, gamma, tree, sample, info.get("verifier"), info.get("block_size")
-        )
-    elif info.get("draft_kind") == "dflash":
-        lines += [""] + dflash_usage(target, repo_id, gamma, info["block_size"])
-    elif info.get("draft_kind") == "pard":
-        lines += [""] + pard_usage(target, repo_id, gamma, info["block_size"], info.get("vllm_draft_sample_method"))
-    else:
-        lines += [""] + _usage(target, repo_id, gamma, info.get("vllm_draft_sample_method"))
+    lines += [""] + kind.usage(info, repo_id)
     supply = info.get("reproduce_inputs") or {}
     prompts_file = info["prompts"] if str(info["prompts"]).endswith(".jsonl") else "PROMPTS.jsonl"
     prompts_file = supply.get("data.eval_prompts", prompts_file)

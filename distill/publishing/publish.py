@@ -32,12 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from decode import kinds
 from decode.compat import match_vocab
 from decode.draft_vocab import FILE as DRAFT_VOCAB
 from decode.draft_vocab import load_saved_head
-from decode.kinds.dflash.decoding import is_dflash_folder
-from decode.kinds.eagle3.decoding import is_eagle3
-from decode.kinds.eagle3.formats import block_of
 from decode.metrics import best_gamma
 from distill.publishing.card import engine_of, render_model_card, slower_than_target
 from distill.publishing.draft_folder import (
@@ -62,12 +60,14 @@ from distill.publishing.publish_source import (
     check_name_words,
     check_plain_draft_config,
     check_repo_id,
+    copied_as_saved,
     public_name,
     read_json,
     reproducible_recipe,
     resolve_source,
     scrub,
     scrub_text,
+    served_kind,
 )
 
 __all__ = [
@@ -311,7 +311,7 @@ def loaded_models(src: PublishSource) -> list[tuple[str, str, str | None]]:
     recipe = src.recipe
     target = recipe_get(recipe, "target.model") or src.eval.get("target")
     found = [("the target", str(target), recipe_get(recipe, "target.revision"))] if target else []
-    if is_eagle3(src.model_dir) or is_dflash_folder(src.model_dir):
+    if copied_as_saved(src.model_dir):
         return found
     found.append(("the draft", str(src.model_dir), None))
     adapter = src.model_dir / "adapter_config.json"
@@ -351,9 +351,9 @@ def build_publish_folder(
 
 
 def _check_names(src: PublishSource, repo_id: str, dry_run_dir: str | Path | None = None) -> None:
-    """vLLM picks the method by name only for a plain draft (method draft_model); an EAGLE-3 head or a DFlash
-    draft names its own."""
-    if is_eagle3(src.model_dir) or is_dflash_folder(src.model_dir):
+    """vLLM picks the method by name only for a plain draft (method draft_model); a draft built from the target
+    (a head, a DFlash or DSpark draft) is served with its own method named."""
+    if copied_as_saved(src.model_dir):
         return
     check_name_words(repo_id, "repo id")
     if dry_run_dir is not None:
@@ -405,16 +405,13 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
         raise PublishError("the target model is unknown: no recipe and no 'target' in the eval figures")
     t_rev = recipe_get(recipe, "target.revision")
     trust = options.trust_remote_code
-    if is_eagle3(src.model_dir):
-        return _build_eagle3_into(src, dest, repo_id, options, target, trust, notes)
-    if is_dflash_folder(src.model_dir):
-        return _build_dflash_into(src, dest, repo_id, options, target, trust, notes)
+    if copied_as_saved(src.model_dir):
+        return _build_served_into(src, dest, repo_id, options, target, trust, notes)
 
     reason = eval_not_on_upload(src)
     prompts = remeasure_prompts(src, reason, options.remeasure_prompts) if reason and options.remeasure else None
     model, base_id = load_merged_draft(src, trust)
     check_plain_draft_config(model.config.to_dict())
-    block = int(model.config.block_size) if getattr(model.config, "pard_token", None) is not None else None
     if recipe_get(recipe, "draft.init") == "truncate":  # cut from the target: the target is what it derives from
         base_id = target
     dtype, why = publish_dtype(src.eval, declared_dtype(base_id, trust))
@@ -446,6 +443,8 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
     model.generation_config = generation_config_for(model, target_gen, assistant)
     model.save_pretrained(dest)
     del model
+    kind = served_kind(dest)  # as saved: a PARD draft's config keeps its mask token and block
+    facts = kinds.publishing(kind).facts(dest, None, gamma, notes)
     draft_vocab_file = (src.model_dir / DRAFT_VOCAB).is_file()
     if draft_vocab_file:  # draftsmith's decoder reads it; HF, vLLM and SGLang ignore it
         shutil.copy2(src.model_dir / DRAFT_VOCAB, dest / DRAFT_VOCAB)
@@ -477,8 +476,8 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
         log.warning("no license found for the base draft: the card states none (pass --license)")
     info = {
         "repo_id": repo_id,
-        "draft_kind": "pard" if block else "standalone",
-        "block_size": block,  # a PARD draft: the tokens it drafts in one forward (vLLM parallel_drafting)
+        "draft_kind": kind,
+        "block_size": facts["block_size"],  # a block draft: the tokens it drafts in one forward (parallel_drafting)
         "target": public_name(target),
         "base_model": base_name,
         "base_model_hub_id": base_id if is_hub_id(base_id) else None,
@@ -532,10 +531,12 @@ def _write_card_files(src: PublishSource, dest: Path, repo_id: str, info: dict) 
     (dest / "README.md").write_text(render_model_card(info, repo_id, recipe_text))
 
 
-def _copy_draft_files(src: PublishSource, dest: Path, weights: str, target: str, trust: bool, notes: list[str]) -> str:
-    """A draft over the target's hidden states as its engines load it: config.json and the weights as saved (no
-    merge, no vocabulary change) and the target's tokenizer files. Returns where the tokenizer came from."""
-    for name in ("config.json", weights):
+def _copy_draft_files(
+    src: PublishSource, dest: Path, files: tuple[str, ...], target: str, trust: bool, notes: list[str]
+) -> str:
+    """A draft over the target's hidden states as its engines load it: ``files`` (its config.json and weights) as
+    saved (no merge, no vocabulary change) and the target's tokenizer files. Returns where the tokenizer came from."""
+    for name in files:
         shutil.copy2(src.model_dir / name, dest / name)
     tokenizer_from = copy_tokenizer(target, src, dest, trust, notes)
     if not is_hub_id(target):
@@ -552,7 +553,7 @@ def _hidden_state_info(
     notes: list[str],
     **kind: object,
 ) -> dict:
-    """The card's facts for a draft built from the target (a head, a DFlash draft); ``kind``: draft_kind,
+    """The card's facts for a draft built from the target (a head, a DFlash or DSpark draft); ``kind``: draft_kind,
     block_size, verifier, method, num_assistant_tokens."""  # fmt: skip
     return {
         "repo_id": repo_id,
@@ -578,73 +579,26 @@ def _hidden_state_info(
     }
 
 
-def _build_eagle3_into(
+def _build_served_into(
     src: PublishSource, dest: Path, repo_id: str, options: BuildOptions, target: str, trust: bool, notes: list[str]
 ) -> None:
-    """An EAGLE-3 head as vLLM (``method: eagle3``) and SGLang (EAGLE3) load it: its config.json and
-    model.safetensors as saved (no merge, no vocabulary change), the target's tokenizer files, the card and recipe."""
-    from decode.kinds.eagle3.decoding import WEIGHTS
-
+    """A draft built from the target as its engines load it: the files its kind serves as saved (no merge, no
+    vocabulary change; ``decode.kinds.<kind>.publishing``), the target's tokenizer files, the card and recipe. The
+    kind rewrites what its config.json names for its engines (a head's speculators verifier: ``options.verifier``,
+    else the target's Hub id)."""
+    kind = served_kind(src.model_dir)
+    publishing = kinds.publishing(kind)
     gamma = best_gamma(src.eval)
     verifier = options.verifier or (target if is_hub_id(target) else None)
-    tokenizer_from = _copy_draft_files(src, dest, WEIGHTS, target, trust, notes)
-    name_verifier(dest / "config.json", verifier, gamma, notes)
-    config = json.loads((dest / "config.json").read_text())
-    block = block_of(config)
+    tokenizer_from = _copy_draft_files(src, dest, publishing.SERVED_FILES, target, trust, notes)
+    facts = publishing.facts(dest, verifier, gamma, notes)
     info = _hidden_state_info(
         src, repo_id, options, target, tokenizer_from, notes,
-        draft_kind="peagle" if block else "eagle3",
-        block_size=block,  # a P-EAGLE head: the tokens it drafts in one forward (vLLM parallel_drafting)
-        verifier=verifier,  # what config.json's speculators_config names (None: nothing)
-        method=f"draft vocabulary {config.get('draft_vocab_size')}, target layers "
-        f"{config.get('eagle_aux_hidden_state_layer_ids')}",
+        draft_kind=kind,
+        **facts,  # block_size (the tokens it drafts in one forward), verifier (what config.json names), method
         num_assistant_tokens=gamma,  # the gamma the figures were measured with (vLLM / SGLang num steps)
     )  # fmt: skip
     _write_card_files(src, dest, repo_id, info)
-
-
-def _build_dflash_into(
-    src: PublishSource, dest: Path, repo_id: str, options: BuildOptions, target: str, trust: bool, notes: list[str]
-) -> None:
-    """A DFlash draft as vLLM (``method: dflash``) loads it: its config.json and model.safetensors as saved, the
-    target's tokenizer files, the card and recipe."""
-    from decode.kinds.dflash.decoding import WEIGHTS, folder_block
-
-    tokenizer_from = _copy_draft_files(src, dest, WEIGHTS, target, trust, notes)
-    config = json.loads((dest / "config.json").read_text())
-    dflash = config.get("dflash_config") or {}
-    info = _hidden_state_info(
-        src, repo_id, options, target, tokenizer_from, notes,
-        draft_kind="dflash",
-        block_size=folder_block(dest),  # the tokens it drafts in one forward (config block_size - 1)
-        verifier=None,
-        method=f"{config.get('num_hidden_layers')} layer(s), target layers {dflash.get('target_layer_ids')}, "
-        f"mask token {dflash.get('mask_token_id')}",
-        num_assistant_tokens=best_gamma(src.eval),
-    )  # fmt: skip
-    _write_card_files(src, dest, repo_id, info)
-
-
-def name_verifier(config_json: Path, verifier: str | None, gamma: int, notes: list[str]) -> None:
-    """Rewrite the speculators keys of a head's config.json to name ``verifier`` (a Hub id, or a path as given)
-    with ``gamma`` speculative tokens; with no verifier (a local target, no --verifier) drop them, with a note: a
-    path of this machine would not resolve where the head is served."""
-    from decode.kinds.eagle3.formats import speculators_fields
-
-    config = json.loads(config_json.read_text())
-    old = config.pop("speculators_config", None) or {}
-    config.pop("speculators_model_type", None)
-    config.pop("transformer_layer_config", None)
-    if verifier:
-        archs = (old.get("verifier") or {}).get("architectures") or []
-        kind = "peagle" if block_of(config) else "eagle3"
-        config.update(speculators_fields(config, verifier, gamma, archs, kind=kind))
-    else:
-        notes.append(
-            "config.json names no verifier (speculators_config), so `vllm serve` of this repo needs the target's "
-            "flags: the target is a local model; publish with --verifier HUB_ID to name it"
-        )
-    config_json.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def push_folder(

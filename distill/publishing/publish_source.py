@@ -18,14 +18,24 @@ from typing import Any
 
 import yaml
 
-from decode.kinds.dflash.decoding import is_dflash_folder
-from decode.kinds.eagle3.decoding import is_eagle3
+from decode import kinds
 from distill.publishing.hub import PublishError, is_hub_id
 from distill.training.run_state import stale_best
 
 # vLLM picks the speculative method from the draft's name or config when they name one of these (substring
-# match), so a repo named e.g. "gemma-eagle-draft" would be loaded as an EAGLE head instead of a draft model.
-FORBIDDEN_NAME_WORDS = ("eagle", "eagle3", "dflash", "dspark", "medusa", "mlp_speculator", "mtp")
+# match), so a repo named e.g. "gemma-eagle-draft" would be loaded as an EAGLE head instead of a draft model: its
+# methods for drafts other than a draft LM, those of the kinds built from the target among them.
+FORBIDDEN_NAME_WORDS = tuple(
+    dict.fromkeys(
+        [
+            "eagle",
+            *(t.vllm_method for t in kinds.KINDS.values() if not t.loads_draft_model),
+            "medusa",
+            "mlp_speculator",
+            "mtp",
+        ]
+    )
+)
 # ... and in config.json's architectures / model_type (MLPSpeculatorPreTrainedModel has no underscore).
 FORBIDDEN_CONFIG_WORDS = (*FORBIDDEN_NAME_WORDS, "speculator")
 EVAL_KEYS = ("acceptance_rate", "mean_accepted_length", "num_draft_tokens", "speedup", "temperature", "new_tokens")
@@ -74,6 +84,21 @@ def check_repo_id(repo_id: str, names: bool = True) -> None:
         raise PublishError(f"repo id {repo_id!r} is malformed: at most 96 characters, not ending in .git")
     if names:
         check_name_words(repo_id, "repo id")
+
+
+def served_kind(model_dir: Path) -> str:
+    """The draft kind of a folder to publish (:func:`decode.kinds.dispatch.folder_kind`): the kind its config.json
+    records or its layout marks; a plain causal LM or a LoRA adapter is of the plain kind
+    (``decode.kinds.PLAIN_LM``)."""
+    from decode.kinds.dispatch import folder_kind
+
+    return folder_kind(str(model_dir)) or kinds.PLAIN_LM
+
+
+def copied_as_saved(model_dir: Path) -> bool:
+    """The folder holds a draft built from the target (its kind's ``loads_draft_model`` is false): published in the
+    layout its engines serve, as saved, never loaded through transformers; else a draft LM, merged and matched."""
+    return not kinds.traits(served_kind(model_dir)).loads_draft_model
 
 
 def check_name_words(name: str, what: str) -> None:
@@ -155,8 +180,7 @@ def resolve_source(source: str | Path) -> PublishSource:
         raise PublishError(f"the eval figures for {found.label} lack {', '.join(missing)}: not a bench JSON")
     if not any((found.model_dir / f).is_file() for f in ("config.json", "adapter_config.json")):
         raise PublishError(f"{found.model_dir} holds no model (config.json) or LoRA adapter (adapter_config.json)")
-    served_layout = is_eagle3(found.model_dir) or is_dflash_folder(found.model_dir)  # no HF checkpoint to check
-    if (found.model_dir / "config.json").is_file() and not served_layout:
+    if (found.model_dir / "config.json").is_file() and not copied_as_saved(found.model_dir):  # an HF checkpoint
         check_plain_draft_config(read_json(found.model_dir / "config.json"))  # before any weight is loaded
     found.engines = _extra_engines(found.model_dir)
     found.recipe_path = next(

@@ -62,19 +62,21 @@ def check_engine(
     zero_stage: int | None = None,
     ram_efficient_loading: bool = False,
     subset_head: bool = False,
-    eagle3_head: bool = False,
+    built_draft: str | None = None,
 ) -> None:
     """Refuse, before any model is loaded, a launch that cannot work here (one line naming the fix).
 
     Raises:
         ValueError: DeepSpeed without the package or without CUDA, ZeRO-3, FSDP with a draft that rank 0
             could not run alone (on-policy rollouts, quantized or LoRA drafts), FSDP's RAM-efficient loading, or
-            either with `subset_head` (distill.loss_vocab=subset swaps the draft's output layer), FSDP with an
-            EAGLE-3 head (`eagle3_head`: rank 0 rebuilds a sharded draft as an HF causal LM, which a head is not).
+            either with `subset_head` (distill.loss_vocab=subset swaps the draft's output layer), FSDP with a
+            draft built from the target (`built_draft`, ``draft.kind=K``: rank 0 rebuilds a sharded draft as an HF
+            causal LM, which a head, a DFlash or DSpark draft is not).
     """
-    if requested == "fsdp" and eagle3_head:
+    if requested == "fsdp" and built_draft:
         raise ValueError(
-            "draft.kind=eagle3 trains a one-layer head that every process holds whole: launch with "
+            f"{built_draft} trains a draft built from the target, which rank 0 cannot rebuild from FSDP's shards "
+            "(it rebuilds a causal LM), so every process holds it whole: launch with "
             "recipes/accelerate/multi_gpu.yaml (data parallel) instead of FSDP"
         )
     if requested in ("deepspeed", "fsdp") and subset_head:
@@ -135,7 +137,9 @@ def check_launch(recipe: Any, env: Mapping[str, str] = os.environ) -> str | None
         zero_stage=int(stage) if stage.isdigit() else None,
         ram_efficient_loading=env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() in ("true", "1"),
         subset_head=recipe.distill.loss_vocab == "subset",
-        eagle3_head=traits.reads_hidden_states and not traits.block,  # a chain head over the target's states
+        # plain_copy rebuilds a causal LM from the gathered shards: a kind that builds its draft from the target
+        # (a head, a DFlash or DSpark draft) is no causal LM
+        built_draft=None if traits.loads_draft_model else f"draft.kind={traits.name}",
     )
     return requested
 

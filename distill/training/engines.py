@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from distill.config import ModelConfig, Recipe, is_head
+from distill.config import ModelConfig, Recipe
 from distill.training.checkpoints import write_json_atomic
 
 
@@ -102,19 +102,17 @@ def evaluate_vllm(
     The target is loaded by vLLM from its recipe path in the dtype of the loaded ``target``; the draft is saved
     to a temporary directory in that dtype with the target's vocab_size.
     """
-    from decode.kinds.dflash import decoding as dflash
+    from decode import kinds
     from decode.kinds.dispatch import kind_of
-    from decode.kinds.eagle3 import decoding as eagle3
     from decode.vllm_engine import bench_in_subprocess, save_draft_for_vllm
 
     dtype = next(target.parameters()).dtype
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):  # a quantized target: vLLM loads it unquantized
         dtype = torch.bfloat16
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-draft-") as tmp:
-        if kind_of(draft) == dflash.NAME:  # vLLM's DFlash layout; the embedding and output layer are the target's
-            draft_dir = dflash.save(draft, Path(tmp) / "draft", dtype=dtype)
-        elif is_head(kind_of(draft)):  # the served format; vLLM takes the embedding and tokenizer from the target
-            draft_dir = eagle3.save(draft, Path(tmp) / "draft", dtype=dtype)
+        kind = kind_of(draft)
+        if not kinds.traits(kind).loads_draft_model:  # its served layout; vLLM takes the rest from the target
+            draft_dir = kinds.decoding(kind).save(draft, Path(tmp) / "draft", dtype=dtype)
         else:
             draft_dir = save_draft_for_vllm(draft, tokenizer, target.config, Path(tmp) / "draft", dtype=dtype)
         settings = _bench_settings(recipe, _dtype_name(dtype))
@@ -131,20 +129,20 @@ def _bench_draftsmith(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype
     """draftsmith's own bench of best/ next to the recipe's target, both loaded in ``dtype``.
 
     Through training's loaders, so the target is the one the run measured (a .gguf file, ``target.revision``,
-    its quantization), and the draft drafts from best/'s ``draft_vocab.json`` when it has one. An EAGLE-3 head
-    sits on the target (its embedding); HF assisted generation cannot run it.
+    its quantization), and the draft drafts from best/'s ``draft_vocab.json`` when it has one. A draft built from
+    the target (a head, a DFlash or DSpark draft) is loaded by its kind onto the target (its embedding); HF assisted
+    generation cannot run it.
     """
+    from decode import kinds
     from decode.draft_vocab import load_ids
-    from decode.kinds.dflash import decoding as dflash
-    from decode.kinds.eagle3 import decoding as eagle3
+    from decode.kinds.dispatch import folder_kind
     from distill.models import load_target, load_tokenizer
 
     target = load_target(dataclasses.replace(recipe.target, dtype=dtype))
-    head = eagle3.is_eagle3(best) or dflash.is_dflash_folder(best)
-    if dflash.is_dflash_folder(best):
-        draft = dflash.load(best, target)
-    elif head:
-        draft = eagle3.load(best, target)
+    kind = folder_kind(str(best))
+    head = kind is not None and not kinds.traits(kind).loads_draft_model
+    if head:
+        draft = kinds.decoding(kind).load(best, target)
     else:  # best/ is served frozen: loaded as a target is (eval mode, no gradients), in the same dtype
         draft = load_target(
             ModelConfig(model=str(best), dtype=dtype, trust_remote_code=recipe.draft.trust_remote_code)

@@ -13,13 +13,14 @@ TRAITS = KindTraits(
     description="a DFlash draft",
     block=True,
     reads_hidden_states=True,
-    dflash_backbone=True,
+    layer_output_context=True,
     loads_draft_model=False,
     hf_assisted=False,
     generates_rollouts=False,
     folder_kinds=("dflash",),  # a DFlash draft to continue
     vllm_method="dflash",
     vllm_parallel_drafting=False,
+    draft_tree=False,
     llamacpp_spec_type="draft-dflash",
     recipe_keys=("aux_layers", "block_size", "mask_token_id", "num_layers"),
 )

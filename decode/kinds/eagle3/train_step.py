@@ -29,7 +29,7 @@ from torch import nn
 
 from decode.compat import text_config
 from decode.kinds.eagle3 import decoding as eagle3
-from distill.config import EAGLE3_VOCAB, DistillConfig, Recipe
+from distill.config import HEAD_VOCAB, DistillConfig, Recipe
 from distill.training import losses
 from distill.training.teacher_cache import sequence_key
 
@@ -74,7 +74,7 @@ def head_of(model: nn.Module) -> eagle3.Eagle3Head:
 
 
 def vocab_size(requested: int, target_vocab: int) -> int:
-    """The head's draft vocabulary size: draft.vocab_subset, or min(EAGLE3_VOCAB, the target's) when it is 0.
+    """The head's draft vocabulary size: draft.vocab_subset, or min(HEAD_VOCAB, the target's) when it is 0.
 
     Raises:
         ValueError: a draft vocabulary larger than the target's.
@@ -82,9 +82,9 @@ def vocab_size(requested: int, target_vocab: int) -> int:
     if requested > target_vocab:
         raise ValueError(
             f"draft.vocab_subset={requested} is larger than the target's vocabulary ({target_vocab} tokens): "
-            f"set draft.vocab_subset <= {target_vocab} (0: min({EAGLE3_VOCAB}, {target_vocab}))"
+            f"set draft.vocab_subset <= {target_vocab} (0: min({HEAD_VOCAB}, {target_vocab}))"
         )
-    return requested or min(EAGLE3_VOCAB, target_vocab)
+    return requested or min(HEAD_VOCAB, target_vocab)
 
 
 def check_target_config(config: Any, recipe: Recipe) -> None:

@@ -13,13 +13,14 @@ TRAITS = KindTraits(
     description="a PARD draft LM",
     block=True,
     reads_hidden_states=False,
-    dflash_backbone=False,
+    layer_output_context=False,
     loads_draft_model=True,
     hf_assisted=False,  # HF assisted generation would run it as a chain: its mask positions unused
     generates_rollouts=True,
     folder_kinds=("pard",),  # a PARD draft to continue; a plain causal LM is read as any draft LM
     vllm_method="draft_model",
     vllm_parallel_drafting=True,
+    draft_tree=False,
     llamacpp_spec_type=None,
     recipe_keys=("block_size", "mask_token_id"),
 )

@@ -22,7 +22,16 @@ from torch import nn
 
 from decode.kinds.pard import TRAITS
 from decode.kinds.standalone import decoding as standalone
-from decode.kinds.standalone.decoding import Verified, cost_stream, draft_tokens, stack  # noqa: F401 (cost: as a draft LM)
+
+# cost, folder check and vLLM support: as any draft LM's
+from decode.kinds.standalone.decoding import (  # noqa: F401
+    Verified,
+    check_folder,
+    cost_stream,
+    draft_tokens,
+    stack,
+    vllm_problem,
+)
 
 NAME = TRAITS.name
 MAX_BLOCK = 16
@@ -43,6 +52,24 @@ def is_pard_folder(path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(config, dict) and config.get("pard_token") is not None
+
+
+def is_folder(path) -> bool:
+    """A folder holding a PARD draft (:func:`is_pard_folder`)."""
+    return is_pard_folder(path)
+
+
+def folder_block(path) -> int | None:
+    """The block a PARD folder drafts in one forward: its ``block_size`` (vLLM reads ``pard_token``;
+    ``block_size`` is draftsmith's: a draft trained elsewhere has none, and the user's K decides up to
+    :data:`MAX_BLOCK`); None for another folder."""
+    import json
+    from pathlib import Path
+
+    if not is_pard_folder(path):
+        return None
+    config = json.loads((Path(path) / "config.json").read_text())
+    return int(config.get("block_size") or MAX_BLOCK)
 
 
 def check_block_size(block_size: int) -> int:
@@ -179,3 +206,8 @@ class Drafter(standalone.Drafter):
 def drafter(draft: nn.Module, batch: int, vocab: int, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Drafter:
     """The kind's drafter for one decoding call (``decode.kinds.drafter_for``)."""
     return Drafter(draft, batch, vocab, input_ids, prompt_mask)
+
+
+def is_model(draft: nn.Module) -> bool:
+    """A loaded draft LM marked a PARD draft (:func:`is_pard`)."""
+    return is_pard(draft)

@@ -13,13 +13,14 @@ TRAITS = KindTraits(
     description="a P-EAGLE head",
     block=True,
     reads_hidden_states=True,
-    dflash_backbone=False,
+    layer_output_context=False,
     loads_draft_model=False,
     hf_assisted=False,
     generates_rollouts=False,
     folder_kinds=("eagle3", "peagle"),  # an EAGLE-3 head gains a block, a P-EAGLE head is continued
     vllm_method="eagle3",
     vllm_parallel_drafting=True,
+    draft_tree=False,
     llamacpp_spec_type=None,
     recipe_keys=("aux_layers", "block_size", "mask_token_id"),
 )

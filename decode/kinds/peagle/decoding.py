@@ -24,7 +24,10 @@ import torch
 from torch import nn
 
 from decode.kinds.eagle3 import decoding as eagle3
-from decode.kinds.eagle3.decoding import cost_stream  # noqa: F401  (the head's forwards, timed as an EAGLE-3 head's)
+
+# the head's forwards (timed as an EAGLE-3 head's), its folder, load, save and vLLM support (vLLM serves both as
+# eagle3)
+from decode.kinds.eagle3.decoding import check_folder, cost_stream, folder_block, load, save, vllm_problem  # noqa: F401
 from decode.kinds.peagle import TRAITS
 from decode.kinds.standalone.decoding import draft_tokens, stack
 
@@ -129,3 +132,14 @@ class Drafter(eagle3.Drafter):
 def drafter(head: eagle3.Eagle3Head, batch: int, vocab: int, input_ids: torch.Tensor, prompt_mask: torch.Tensor):
     """The kind's drafter for one decoding call (``decode.kinds.drafter_for``)."""
     return Drafter(head, batch, vocab)
+
+
+def is_folder(path) -> bool:
+    """A folder holding a head that drafts a block (``mask_token_id`` and ``block_size`` on an EAGLE-3 head's
+    config)."""
+    return eagle3.folder_block(path) is not None
+
+
+def is_model(draft: nn.Module) -> bool:
+    """A loaded draft of this kind (it names its kind)."""
+    return getattr(draft, "kind", None) == NAME

@@ -13,7 +13,7 @@ TRAITS = KindTraits(
     description="a standalone draft LM",
     block=False,
     reads_hidden_states=False,
-    dflash_backbone=False,
+    layer_output_context=False,
     loads_draft_model=True,
     hf_assisted=True,
     generates_rollouts=True,
@@ -22,6 +22,7 @@ TRAITS = KindTraits(
     folder_kinds=(),
     vllm_method="draft_model",
     vllm_parallel_drafting=False,
+    draft_tree=False,
     llamacpp_spec_type="draft-simple",
     recipe_keys=(),
 )

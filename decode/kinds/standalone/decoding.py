@@ -7,39 +7,15 @@ target's verify pass its cache is cropped to what was accepted. Served as it is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
+from decode.kinds.drafting import Verified, all_real
 from decode.kinds.standalone import TRAITS
 from decode.kv_stream import KVStream
 from decode.sampling import sample
 
 NAME = TRAITS.name
-
-
-@dataclass
-class Verified:
-    """One verify pass, as every kind's ``update`` sees it.
-
-    ids [B, C]: what the target was fed (its pending tokens, then the g draft tokens); valid [B, C] or None (all
-    real); draft_tokens [B, g]; accepted [B] and acc_list: accepted draft tokens per row; nxt [B]: the token the
-    round ends with (correction or bonus); features [B, C, F]: the target's aux hidden states of the fed
-    positions (kinds that asked for them), else None.
-    """
-
-    ids: torch.Tensor
-    valid: torch.Tensor | None
-    draft_tokens: torch.Tensor
-    accepted: torch.Tensor
-    acc_list: list[int]
-    nxt: torch.Tensor
-    features: torch.Tensor | None = None
-
-
-def all_real(ids: torch.Tensor) -> torch.Tensor:
-    return torch.ones_like(ids, dtype=torch.bool)
 
 
 def draft_tokens(
@@ -154,3 +130,31 @@ def block_of(draft: nn.Module) -> None:
 
 def check_draft_length(draft: nn.Module, gamma: int) -> None:
     """A chain draft drafts any length."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Its saved folder and vLLM (decode.kinds.dispatch asks every kind's decoding module alike)
+# ---------------------------------------------------------------------------------------------------------------
+def is_folder(path) -> bool:
+    """False: a standalone draft is a plain causal LM, which marks no layout of its own (a folder no kind claims
+    is read as one: ``decode.kinds.PLAIN``)."""
+    return False
+
+
+def folder_block(path) -> None:
+    """None: a draft LM drafts a chain."""
+    return None
+
+
+def check_folder(path, target_config, target_name: str) -> None:
+    """Nothing of its own: a draft LM's tokenizer and vocabulary are checked against the target's as any LM's."""
+
+
+def vllm_problem(version: str, methods: set[str]) -> str | None:
+    """None: every vLLM with speculative decoding serves a draft LM (``TRAITS.vllm_method``)."""
+    return None
+
+
+def is_model(draft: nn.Module) -> bool:
+    """False: a loaded draft LM that no kind claims is a plain one (``decode.kinds.PLAIN_LM``)."""
+    return False
