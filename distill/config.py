@@ -285,9 +285,10 @@ class DistillConfig:
     )
     anchors: int = _f(
         0,
-        "draft.kind=dflash or dspark: the block anchors a step trains per sequence, drawn at random among its "
-        "trainable positions (DFlash's anchor sampling): a step then runs N blocks a sequence through the draft and "
-        "its output layer instead of one at every position; 0: every position",
+        "block kinds that train anchors (dflash, dspark, pard): the block anchors a step trains per sequence, drawn "
+        "at random among the positions whose first block position is trained (DFlash's anchor sampling): a step then "
+        "runs N blocks a sequence through the draft and its output layer instead of one at every position (pard: the "
+        "sequence plus K - 1 mask tokens per anchor); 0: every position",
     )
     recompute: bool = _f(
         False,
@@ -513,9 +514,10 @@ class Recipe:
         _check_data_engine(self)
         _check_block(self)
         _check(
-            self.distill.anchors == 0 or self.draft.kind in LAYER_OUTPUT_KINDS,
+            self.distill.anchors == 0 or self.draft.kind in ANCHOR_KINDS,
             "distill.anchors",
-            f"samples DFlash block anchors; draft.kind={self.draft.kind} trains every position: set distill.anchors=0",
+            f"samples block anchors ({', '.join(ANCHOR_KINDS)}); draft.kind={self.draft.kind} trains every position: "
+            "set distill.anchors=0",
         )
         for key, why in kinds.recipe(self.draft.kind).problems(self):  # what the kind itself refuses
             _check(False, key, why)
@@ -562,8 +564,9 @@ def _check_eval_minutes(recipe: Recipe) -> None:
 
 
 BLOCK_KINDS = tuple(n for n, t in kinds.KINDS.items() if t.block)  # the kinds that draft a whole block per forward
-# DFlash's block over the target's states: target_layer_ids, distill.anchors
+# DFlash's block over the target's states: target_layer_ids
 LAYER_OUTPUT_KINDS = tuple(n for n, t in kinds.KINDS.items() if t.layer_output_context)
+ANCHOR_KINDS = tuple(n for n, t in kinds.KINDS.items() if t.trains_anchors)  # the kinds distill.anchors applies to
 
 
 def _own_keys() -> dict[str, str]:

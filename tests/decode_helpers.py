@@ -150,3 +150,23 @@ def accept_always(draft_tokens: torch.Tensor, q, p: torch.Tensor, generator=None
     batch, g = draft_tokens.shape
     accepted = torch.full((batch,), g)
     return accepted, torch.multinomial(p[torch.arange(batch), accepted], 1, generator=generator).squeeze(-1)
+
+
+# The sampled-output check every kind's tests run: a sharp target over SAMPLED_VOCAB tokens, SAMPLED_ROWS rows of
+# SAMPLED_NEW new tokens after one prompt, their sequences against the target's own distribution (chi-square).
+SAMPLED_VOCAB, SAMPLED_NEW, SAMPLED_ROWS = 4, 4, 8000
+SAMPLED_ALPHA = 1e-4  # a p-value below it: the sampled output does not follow the target
+
+
+def sampled_p_value(target: nn.Module, draft: nn.Module, temperature: float, num_draft_tokens: int):
+    """(chi-square p-value of the speculative decoder's sampled sequences against the target's, the run's stats)."""
+    from decode.speculative import speculative_generate
+
+    prompt = torch.tensor([[1, 3, 0]])
+    out = speculative_generate(
+        target, draft, prompt.expand(SAMPLED_ROWS, -1), max_new_tokens=SAMPLED_NEW,
+        num_draft_tokens=num_draft_tokens, temperature=temperature, eos_token_id=[],
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    expected = model_sequence_probs(target, prompt, SAMPLED_NEW, temperature)
+    return chi_square_p_value(out.new_tokens, expected, SAMPLED_VOCAB), out.stats

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from decode.kinds.dflash import decoding as dflash
 from decode.kinds.dispatch import kind_of
 from decode.speculative import speculative_generate, target_generate
-from tests.decode_helpers import chi_square_p_value, left_pad, model_sequence_probs
-from tests.test_eagle3 import features_of, tiny_target
+from tests.decode_helpers import SAMPLED_ALPHA, SAMPLED_VOCAB, left_pad, sampled_p_value
+from tests.test_eagle3 import features_of, sharp_target, tiny_target
 from tests.tiny import CHAR_VOCAB
 
 BLOCK = 4
@@ -102,7 +102,7 @@ def test_blocks_at_drawn_anchors_are_the_blocks_of_the_every_anchor_pass():
 
 
 def test_anchors_are_drawn_among_trainable_positions_without_repeats_and_by_the_seed():
-    from decode.kinds.dflash.training import pick_anchors
+    from distill.training.anchors import pick_anchors
 
     trainable = torch.zeros(3, 10, dtype=torch.bool)
     trainable[0, :8] = True
@@ -123,8 +123,9 @@ def test_anchors_are_refused_for_kinds_that_train_every_position():
     from distill.config import DistillConfig, DraftConfig, Recipe
 
     Recipe(draft=DraftConfig(kind="dflash"), distill=DistillConfig(anchors=8))
-    with pytest.raises(ValueError, match=r"distill.anchors.*draft.kind=pard.*set distill.anchors=0"):
-        Recipe(draft=DraftConfig(kind="pard", model="x"), distill=DistillConfig(anchors=8))
+    Recipe(draft=DraftConfig(kind="pard", model="x"), distill=DistillConfig(anchors=8))  # trains_anchors
+    with pytest.raises(ValueError, match=r"distill.anchors.*draft.kind=standalone.*set distill.anchors=0"):
+        Recipe(draft=DraftConfig(kind="standalone", model="x"), distill=DistillConfig(anchors=8))
     with pytest.raises(ValueError, match=r"distill.anchors.*must be >= 0"):
         DistillConfig(anchors=-1)
 
@@ -189,22 +190,13 @@ def test_greedy_batch_with_left_padding_equals_each_row_alone(pair, gamma):
     assert 0 < out.stats.accepted < out.stats.drafted
 
 
-SV, NEW, ROWS = 4, 4, 8000
-ALPHA = 1e-4
+SV, ALPHA = SAMPLED_VOCAB, SAMPLED_ALPHA
 
 
 def _sampled_p_value(temperature: float) -> tuple[float, object]:
-    target = tiny_target("llama", vocab=SV, layers=4, seed=1)
-    with torch.no_grad():  # sharper target: the draft's q differs from p, and rejections happen
-        target.lm_head.weight.mul_(8.0)
+    target = sharp_target()
     draft = _random_draft(target, block=3, layers=1, mask=2)
-    prompt = torch.tensor([[1, 3, 0]])
-    out = speculative_generate(
-        target, draft, prompt.expand(ROWS, -1), max_new_tokens=NEW, num_draft_tokens=3, temperature=temperature,
-        eos_token_id=[], generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
-    expected = model_sequence_probs(target, prompt, NEW, temperature)
-    return chi_square_p_value(out.new_tokens, expected, SV), out.stats
+    return sampled_p_value(target, draft, temperature, 3)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

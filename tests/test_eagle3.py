@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from decode.kinds.dispatch import kind_of
 from decode.kinds.eagle3 import decoding as eagle3
 from decode.speculative import speculative_generate, target_generate
-from tests.decode_helpers import chi_square_p_value, left_pad, model_sequence_probs
+from tests.decode_helpers import SAMPLED_ALPHA, SAMPLED_VOCAB, left_pad, sampled_p_value
 from tests.tiny import CHAR_VOCAB, tiny_config
 
 EAGLE_ARCHS = ("llama", "qwen2", "mistral", "gemma2")
@@ -158,25 +158,24 @@ def test_draft_vocabulary_is_all_it_proposes(monkeypatch, temperature):
 # ---------------------------------------------------------------------------------------------------------------
 # Sampling follows the target's distribution (chi-square, with a negative control)
 # ---------------------------------------------------------------------------------------------------------------
-SV, NEW, ROWS = 4, 4, 8000
-ALPHA = 1e-4
+SV, ALPHA = SAMPLED_VOCAB, SAMPLED_ALPHA
+
+
+def sharp_target() -> torch.nn.Module:
+    """tiny_target over SV tokens with a sharper head: the draft's q differs from p, and rejections happen."""
+    target = tiny_target("llama", vocab=SV, layers=4, seed=1)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)
+    return target
 
 
 def _sampled_p_value(temperature: float) -> tuple[float, object]:
-    target = tiny_target("llama", vocab=SV, layers=4, seed=1)
-    with torch.no_grad():  # sharper target: the draft's q differs from p, and rejections happen
-        target.lm_head.weight.mul_(8.0)
+    target = sharp_target()
     head = eagle3.build(target, [0, 1, 3])  # a draft vocabulary without token 2
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.5)
-    prompt = torch.tensor([[1, 3, 0]])
-    out = speculative_generate(
-        target, head, prompt.expand(ROWS, -1), max_new_tokens=NEW, num_draft_tokens=2, temperature=temperature,
-        eos_token_id=[], generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
-    expected = model_sequence_probs(target, prompt, NEW, temperature)
-    return chi_square_p_value(out.new_tokens, expected, SV), out.stats
+    return sampled_p_value(target, head, temperature, 2)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -99,10 +99,11 @@ def test_the_recipe_reads_the_kinds_traits():
 
     kinds_by = {
         field: {n for n, t in registry.KINDS.items() if getattr(t, field)}
-        for field in ("block", "layer_output_context", "reads_hidden_states")
+        for field in ("block", "layer_output_context", "reads_hidden_states", "trains_anchors")
     }
     assert set(config.BLOCK_KINDS) == kinds_by["block"]
     assert set(config.LAYER_OUTPUT_KINDS) == kinds_by["layer_output_context"]
+    assert set(config.ANCHOR_KINDS) == kinds_by["trains_anchors"] == {"pard", "dflash", "dspark"}
     assert {n for n in registry.KINDS if config.is_head(n)} == kinds_by["reads_hidden_states"]
     assert config.KIND_KEYS == {"markov_rank": "dspark", "confidence_min": "dspark"}
 

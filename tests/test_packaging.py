@@ -57,7 +57,7 @@ def test_wheel_lacks_the_checkout_files_and_the_quickstart_says_so(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("draftsmith-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "distill/training/pretraining.py" in names and "decode/__main__.py" in names
-    # every subpackage too (pyproject lists packages one by one)
+    # every subpackage too (a kind's folder among them)
     packages = {
         p.parent.relative_to(REPO).as_posix()
         for top in ("distill", "decode")

@@ -283,3 +283,129 @@ def test_bench_refuses_a_block_above_the_folders_before_loading(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and lines[-1].startswith("error: --num-draft-tokens 5 is above the block of 4"), lines
     assert not (tmp_path / "o.json").exists()
+
+
+# ---------------------------------------------------------------- anchored steps (distill.anchors)
+
+
+def anchored_batch():
+    """Two right-padded rows (the second 3 tokens shorter) whose first 3 positions are prompt (untrained)."""
+    ids = torch.randint(0, CHAR_VOCAB, (2, 11), generator=torch.Generator().manual_seed(2))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[1, 8:] = False
+    loss_mask = valid.clone()
+    loss_mask[:, :3] = False
+    return ids, valid, loss_mask
+
+
+def test_anchored_logits_are_the_full_forwards_at_every_anchor():
+    """With as many anchors as trainable positions (every one drawn), block position k at each anchor and the
+    next-token logits at every real position equal the every-position forward's (decode.kinds.pard.decoding)."""
+    from decode.kinds.pard.training import trainable_anchors
+    from distill.training.anchors import pick_anchors
+
+    _, draft = tiny_pair()
+    ids, valid, loss_mask = anchored_batch()
+    trainable = trainable_anchors(valid, loss_mask)
+    assert trainable[0].tolist() == [False, False, True, True, True, True, True, True, True, True, False]
+    anchors, chosen = pick_anchors(trainable, ids.shape[1], seed=3)
+    assert all(set(anchors[b][chosen[b]].tolist()) == set(trainable[b].nonzero().flatten().tolist()) for b in (0, 1))
+    with torch.no_grad():
+        full = pard.block_logits(draft, ids, valid, BLOCK)
+        some = pard.anchor_logits(draft, ids, valid, BLOCK, anchors)
+    width, n = ids.shape[1], anchors.shape[1]
+    assert [tuple(t.shape[:2]) for t in some] == [(2, width)] + [(2, n)] * (BLOCK - 1)
+    torch.testing.assert_close(some[0][valid], full[0][valid], atol=1e-5, rtol=1e-5)
+    rows = torch.arange(2)[:, None].expand_as(anchors)
+    for k in range(1, BLOCK):
+        torch.testing.assert_close(some[k][chosen], full[k][rows[chosen], anchors[chosen]], atol=1e-5, rtol=1e-5)
+
+
+def test_the_anchored_loss_with_every_position_an_anchor_is_the_full_loss():
+    """decode.kinds.pard.training: the anchored loss at every position equals the every-position loss (each block
+    position's loss and agreement too); distill.anchors above the trainable positions draws them all."""
+    from decode.kinds.pard.training import anchored_loss, block_loss
+
+    target, draft = tiny_pair()
+    ids, valid, loss_mask = anchored_batch()
+    with torch.no_grad():
+        teacher = target(ids).logits
+    args = ("fkl", 0.5, 1.0, 0.8)
+    every = torch.arange(ids.shape[1]).expand_as(ids)
+    full, full_stats = block_loss(draft, teacher, ids, valid, loss_mask, *args)
+    some, some_stats = anchored_loss(draft, teacher, ids, valid, loss_mask, every, torch.ones_like(valid), *args)
+    torch.testing.assert_close(some, full, atol=1e-6, rtol=1e-6)
+    assert some_stats == pytest.approx(full_stats, rel=1e-5, abs=1e-6) and len(full_stats) == 2 * BLOCK
+    # loss at every real position (distill.loss_positions: all): the drawn trainable anchors are every anchor
+    drawn, _ = block_loss(draft, teacher, ids, valid, valid, *args, anchors=64, seed=1)
+    torch.testing.assert_close(drawn, block_loss(draft, teacher, ids, valid, valid, *args)[0], atol=1e-6, rtol=1e-6)
+
+
+def test_a_mask_segment_sees_only_its_anchors_past_and_its_own_block():
+    """Mask segment k at anchor j is blind to the real tokens after anchors[j] and to the other anchors' mask
+    segments, and sees its own block's earlier segments (the changes it must see do move it)."""
+    _, draft = tiny_pair()
+    ids = torch.randint(0, CHAR_VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    anchors = torch.tensor([[2, 5, 8]])
+    width, n = ids.shape[1], anchors.shape[1]
+
+    def logits(x: torch.Tensor) -> torch.Tensor:  # [K - 1, N, V]: the mask segments' logits
+        _, positions, mask = pard.anchor_inputs(ids, valid, BLOCK, MASK, anchors)
+        with torch.no_grad():
+            out = draft(input_ids=x, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        return out[0, width:].unflatten(0, (BLOCK - 1, n))
+
+    x, _, _ = pard.anchor_inputs(ids, valid, BLOCK, MASK, anchors)
+    before = logits(x)
+    later = x.clone()
+    later[0, 6] = (later[0, 6] + 1) % CHAR_VOCAB  # a token after anchors 2 and 5, before anchor 8
+    after = logits(later)
+    torch.testing.assert_close(after[:, :2], before[:, :2], atol=0, rtol=0)
+    assert not torch.allclose(after[:, 2], before[:, 2])
+    other = x.clone()
+    other[0, width + n + 1] = 7  # segment 2 of anchor 5 (j = 1) reads another token
+    after = logits(other)
+    torch.testing.assert_close(after[:, [0, 2]], before[:, [0, 2]], atol=0, rtol=0)
+    torch.testing.assert_close(after[0, 1], before[0, 1], atol=0, rtol=0)  # segment 1 comes before segment 2
+    assert not torch.allclose(after[2, 1], before[2, 1])  # segment 3 of the same anchor reads it
+
+
+def test_a_run_with_anchors_feeds_the_draft_fewer_positions(tmp_path, monkeypatch):
+    """train/distill.py (its main, in this process), a PARD recipe for 2 steps with distill.anchors and without:
+    each training forward of the draft (a hook counts its length) is S + (K - 1) * N positions instead of K * S."""
+    import yaml
+
+    from decode.kinds.pard import training
+    from tests.procs import load_script, tiny_recipe, tiny_run_paths
+
+    block, n = 3, 4
+    paths = tiny_run_paths(tmp_path, train_prompts=4)
+    load = training.load_draft
+    seen: dict[int, list[int]] = {}
+
+    def counted_load(recipe, device):
+        draft, tokenizer = load(recipe, device)
+
+        def count(module, args, kwargs):
+            if torch.is_grad_enabled() and module.training:  # a training step's forward, not an evaluation's
+                seen[recipe.distill.anchors].append(kwargs["input_ids"].shape[1])
+
+        draft.register_forward_pre_hook(count, with_kwargs=True)
+        return draft, tokenizer
+
+    monkeypatch.setattr(training, "load_draft", counted_load)
+    for anchors in (0, n):
+        seen[anchors] = []
+        recipe = tiny_recipe(
+            paths, tmp_path / f"run{anchors}", {"source": "target", "max_new_tokens": 12, "anchors": anchors},
+            {"max_steps": 2, "batch_size": 2, "seed": 0}, eval={"num_draft_tokens": block},
+        )  # fmt: skip
+        recipe["draft"].update({"kind": "pard", "block_size": block})
+        recipe_path = tmp_path / f"recipe{anchors}.yaml"
+        recipe_path.write_text(yaml.safe_dump(recipe))
+        load_script("train/distill.py", "distill_script_for_pard_anchors").main(["--recipe", str(recipe_path)])
+    full, anchored = seen[0], seen[n]  # the same sequences (target continuations, the same seed)
+    assert len(full) == len(anchored) == 2 and all(length % block == 0 for length in full), seen
+    widths = [length // block for length in full]
+    assert anchored == [w + (block - 1) * n for w in widths] and all(w > n for w in widths), seen

@@ -16,8 +16,8 @@ from decode.kinds.dispatch import kind_of
 from decode.kinds.eagle3 import decoding as eagle3
 from decode.kinds.peagle import decoding as peagle
 from decode.speculative import speculative_generate, target_generate
-from tests.decode_helpers import chi_square_p_value, left_pad, model_sequence_probs
-from tests.test_eagle3 import features_of, tiny_target
+from tests.decode_helpers import SAMPLED_ALPHA, SAMPLED_VOCAB, left_pad, sampled_p_value
+from tests.test_eagle3 import features_of, sharp_target, tiny_target
 from tests.tiny import CHAR_VOCAB
 
 BLOCK = 4
@@ -118,25 +118,16 @@ def test_greedy_batch_with_left_padding_equals_each_row_alone(pair, gamma):
     assert 0 < out.stats.accepted < out.stats.drafted
 
 
-SV, NEW, ROWS = 4, 4, 8000
-ALPHA = 1e-4
+SV, ALPHA = SAMPLED_VOCAB, SAMPLED_ALPHA
 
 
 def _sampled_p_value(temperature: float) -> tuple[float, object]:
-    target = tiny_target("llama", vocab=SV, layers=4, seed=1)
-    with torch.no_grad():  # sharper target: the draft's q differs from p, and rejections happen
-        target.lm_head.weight.mul_(8.0)
+    target = sharp_target()
     head = peagle.build(target, [0, 1, 3], block_size=3, mask_token_id=2)  # a draft vocabulary without token 2
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.5)
-    prompt = torch.tensor([[1, 3, 0]])
-    out = speculative_generate(
-        target, head, prompt.expand(ROWS, -1), max_new_tokens=NEW, num_draft_tokens=3, temperature=temperature,
-        eos_token_id=[], generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
-    expected = model_sequence_probs(target, prompt, NEW, temperature)
-    return chi_square_p_value(out.new_tokens, expected, SV), out.stats
+    return sampled_p_value(target, head, temperature, 3)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -17,8 +17,11 @@ class KindTraits:
     block: bool  # a whole block per draft forward (else one forward per drafted token)
     reads_hidden_states: bool  # it drafts from the target's hidden states (built from the target, served next to it)
     # its context is the target's layer outputs at draft.aux_layers (1 or more: target_layer_ids, as DFlash names
-    # them), and it trains on block anchors sampled from each sequence (distill.anchors)
+    # them)
     layer_output_context: bool
+    # a step can train the blocks at N anchors drawn per sequence (distill.anchors; distill.training.anchors)
+    # instead of one at every position
+    trains_anchors: bool
     loads_draft_model: bool  # draft.model is a model to load (else the draft is built from the target)
     hf_assisted: bool  # HF assisted generation can run it
     generates_rollouts: bool  # it can speed up the target's rollouts as a speculative draft

@@ -11,6 +11,7 @@ The step:
     subset_loss    training over the draft vocabulary (`distill.loss_vocab: subset`)
     teacher_cache  the target's top-k log-probabilities of repeated sequences, kept in memory
     schedule       progress through the budget (steps or minutes) and the lr that follows from it
+    anchors        the block anchors a step trains (`distill.anchors`): the draw and its seed, for every block kind
 
 The loop and the run:
     loop           evaluating and saving a checkpoint, the shared clock, the checks that stop a run

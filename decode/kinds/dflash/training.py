@@ -33,6 +33,7 @@ from distill import models
 from distill.config import DistillConfig, Recipe
 from distill.kinds.interface import StepLoss, check_mask_token_id, config_vocab
 from distill.training import losses
+from distill.training.anchors import pick_anchors, step_seed
 from distill.training.teacher_cache import sequence_key
 
 __all__ = [
@@ -206,22 +207,6 @@ def recorded_layers(recipe: Recipe, target: nn.Module) -> list[int]:
     return [j + 1 for j in planned_layer_ids(recipe, layers)]
 
 
-def pick_anchors(trainable: torch.Tensor, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """N anchors per row drawn at random without replacement among the ``trainable`` [B, S] positions:
-    (anchors [B, N] long, chosen [B, N] bool; a row with fewer than N trainable positions fills the rest with
-    unchosen ones). ``seed`` (:func:`anchor_seed`) makes a fresh draw for every micro-batch of a run."""
-    score = torch.rand(trainable.shape, generator=torch.Generator().manual_seed(seed)).to(trainable.device)
-    top = score.masked_fill(~trainable, -1.0).topk(min(n, trainable.shape[1]), dim=1)
-    return top.indices, top.values >= 0
-
-
-def anchor_seed(seed: int, micro_batch: int, rank: int) -> int:
-    """The anchor draw's seed for one micro-batch: a function of train.seed, the micro-batch's place in the run
-    (accelerate's step counter, which its saved state carries, so a resumed run draws what the uninterrupted one
-    would) and the process. A seed taken from the batch's tokens would repeat the same draw every epoch."""
-    return (seed * 1_000_003 + micro_batch) * 1_009 + rank
-
-
 def block_loss(
     model: nn.Module,
     side: train_step.TargetSide,
@@ -243,7 +228,8 @@ def block_loss(
 
 
 def block_anchors(batch: dict[str, torch.Tensor], cfg: DistillConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`block_loss`'s anchors [B, N] and which of them are chosen [B, N] bool (``seed``: :func:`anchor_seed`)."""
+    """:func:`block_loss`'s anchors [B, N] and which of them are chosen [B, N] bool (``seed``:
+    :func:`distill.training.anchors.anchor_seed`)."""
     valid = batch["attention_mask"].bool()
     width = valid.shape[1]
     if cfg.anchors:
@@ -320,15 +306,13 @@ def block_step(
     block_loss_of: Callable[..., tuple[torch.Tensor, dict[str, float]]],
 ) -> Callable[[dict[str, torch.Tensor], list, bool], StepLoss]:
     """:func:`loss_step` with the loss ``block_loss_of(model, side, batch, cfg, seed)`` (a block draft with heads
-    of its own; ``seed``: :func:`anchor_seed`)."""
+    of its own; ``seed``: :func:`distill.training.anchors.anchor_seed`)."""
 
     def step(batch: dict[str, torch.Tensor], pairs: list, on_policy: bool) -> StepLoss:
         inner = served(draft)
         keys = None if teachers is None else [sequence_key(*p) for p in pairs]
         side = train_step.target_side(target, batch, inner, recipe.distill.temperature, teachers, keys)
-        # called inside accelerator.accumulate, which has counted this micro-batch in accelerator.step
-        seed = anchor_seed(recipe.train.seed, accelerator.step, accelerator.process_index)
-        value, stats = block_loss_of(draft, side, batch, recipe.distill, seed)
+        value, stats = block_loss_of(draft, side, batch, recipe.distill, step_seed(accelerator, recipe.train.seed))
         return StepLoss(value, stats.get("train/acc_0", 0.0), side.computed, stats)
 
     return step

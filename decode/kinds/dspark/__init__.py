@@ -14,6 +14,7 @@ TRAITS = KindTraits(
     block=True,
     reads_hidden_states=True,
     layer_output_context=True,
+    trains_anchors=True,
     loads_draft_model=False,
     hf_assisted=False,
     generates_rollouts=False,

@@ -15,6 +15,7 @@ TRAITS = KindTraits(
     block=False,
     reads_hidden_states=True,
     layer_output_context=False,
+    trains_anchors=False,
     loads_draft_model=False,
     hf_assisted=False,
     generates_rollouts=False,

@@ -14,6 +14,7 @@ TRAITS = KindTraits(
     block=True,
     reads_hidden_states=False,
     layer_output_context=False,
+    trains_anchors=True,
     loads_draft_model=True,
     hf_assisted=False,  # HF assisted generation would run it as a chain: its mask positions unused
     generates_rollouts=True,

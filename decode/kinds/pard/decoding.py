@@ -12,7 +12,8 @@ tokenizer. Its config.json carries ``pard_token`` (the mask token id, what vLLM'
 
 Training reads all K positions of every sequence in one forward (:func:`block_inputs`): the sequence, then K - 1
 copies of it made of mask tokens, with an attention mask under which block position k of anchor i sees the real
-tokens <= i and its own block's mask positions before it: what the k-th drafted token sees in decoding.
+tokens <= i and its own block's mask positions before it: what the k-th drafted token sees in decoding. With
+``distill.anchors`` N (:func:`anchor_inputs`) the mask segments hold only N drawn anchors: S + (K - 1) * N positions.
 """
 
 from __future__ import annotations
@@ -139,6 +140,53 @@ def block_logits(draft: nn.Module, ids: torch.Tensor, valid: torch.Tensor, block
     x, positions, mask = block_inputs(ids, valid, block, int(draft.config.pard_token), dtype)
     logits = draft(input_ids=x, attention_mask=mask, position_ids=positions, use_cache=False).logits
     return list(logits.split(ids.shape[1], dim=1))
+
+
+def anchor_inputs(
+    ids: torch.Tensor,
+    valid: torch.Tensor,
+    block: int,
+    pard_token: int,
+    anchors: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`block_inputs` with the mask segments at ``anchors`` [B, N] only (``distill.anchors``): the forward's
+    length is S + (K - 1) * N instead of K * S.
+
+    Returns:
+        (input ids [B, S + (K - 1) * N]: the sequence, then K - 1 segments of N mask tokens; position ids: mask
+        segment k at anchor j sits at anchors[j] + k; an additive attention mask [B, 1, L, L] in ``dtype``: segment 0
+        is causal over the real tokens; segment k >= 1 at anchor j sees the real tokens <= anchors[j] and segments
+        1..k at anchor j, exactly what the k-th drafted token after x_{anchors[j]} sees in decoding).
+    """
+    batch, width = ids.shape
+    n, device = anchors.shape[1], ids.device
+    tail = (block - 1) * n
+    seg = torch.arange(1, block, device=device).repeat_interleave(n)  # [tail]: each mask position's segment
+    slot = torch.arange(n, device=device).repeat(block - 1)  # [tail]: its anchor's index
+    at = anchors.to(device).long()[:, slot]  # [B, tail]: its anchor
+    # the last real position each query sees: its own for segment 0, its anchor for a mask position
+    sees = torch.cat([torch.arange(width, device=device).expand(batch, width), at], 1)  # [B, L]
+    real = (torch.arange(width, device=device)[None, None, :] <= sees[:, :, None]) & valid.bool()[:, None, :]
+    own_block = (slot[None, :] == slot[:, None]) & (seg[None, :] <= seg[:, None])  # [tail, tail]
+    masks = torch.cat([torch.zeros(width, tail, dtype=torch.bool, device=device), own_block])  # [L, tail]
+    allowed = torch.cat([real, masks.expand(batch, -1, -1)], 2)  # [B, L, L]
+    mask = torch.zeros(batch, 1, width + tail, width + tail, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    block_ids = torch.cat([ids, torch.full((batch, tail), pard_token, dtype=ids.dtype, device=device)], 1)
+    positions = torch.cat([torch.arange(width, device=device).expand(batch, width), at + seg], 1)
+    return block_ids, positions, mask
+
+
+def anchor_logits(
+    draft: nn.Module, ids: torch.Tensor, valid: torch.Tensor, block: int, anchors: torch.Tensor
+) -> list[torch.Tensor]:
+    """:func:`block_logits` at ``anchors`` [B, N]: ``block`` tensors, [B, S, V] for k = 0 (the plain next-token
+    logits at every position), then [B, N, V] for k >= 1 (the k-th mask position after x_{anchors[j]})."""
+    dtype = next(draft.parameters()).dtype
+    x, positions, mask = anchor_inputs(ids, valid, block, int(draft.config.pard_token), anchors, dtype)
+    logits = draft(input_ids=x, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    return list(logits.split([ids.shape[1]] + [anchors.shape[1]] * (block - 1), dim=1))
 
 
 def check_draft_length(draft: nn.Module, gamma: int) -> None:

@@ -5,13 +5,15 @@ Everything but the step is the standalone kind's (decode.kinds.standalone.traini
 draft.model (a sibling, a pretrained small LM, or a cut of the target), speeds up the target's rollouts, and is saved
 as an ordinary HF checkpoint, its config marked with ``pard_token`` and ``block_size`` (decode.kinds.pard). A step runs
 the draft once over every sequence and its K - 1 mask copies (decode.kinds.pard.decoding.block_inputs) and compares
-block position k at anchor i with the target's distribution at i + k, the position that predicts x_{i+k+1}.
+block position k at anchor i with the target's distribution at i + k, the position that predicts x_{i+k+1}. With
+distill.anchors N the mask copies hold only N anchors a sequence drawn at random (distill.training.anchors): one
+forward of S + (K - 1) * N positions instead of K * S.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +34,10 @@ from distill import models
 from distill.config import Recipe
 from distill.kinds.interface import StepLoss, check_mask_token_id, config_vocab
 from distill.training import losses
+from distill.training.anchors import pick_anchors, step_seed
 
 __all__ = [
+    "anchored_loss",
     "block_loss",
     "build_draft",
     "cache_teacher",
@@ -44,6 +48,7 @@ __all__ = [
     "loss_step",
     "save_checkpoint",
     "served",
+    "trainable_anchors",
 ]
 
 
@@ -114,35 +119,103 @@ def block_loss(
     step_weight: float,
     vocab_size: int | None = None,
     shift: int = 0,
+    anchors: int = 0,
+    seed: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """sum_k w^k loss_k / sum_k w^k over the draft's block positions, and per position its loss and top-1
     agreement with the target (``train/loss_k``, ``train/acc_k``).
 
     Block position k at anchor i predicts x_{i+k+1}: it is compared with the target's logits at i + k (``teacher``
     [B, S, V], one forward of the target over ``ids``), where ``loss_mask`` at i + k says whether x_{i+k+1}
-    counts. ``shift``: for tests only, moves the teacher of the positions k >= 1 (a wrong step that must fail).
+    counts. The anchors are every position, or with ``anchors`` N, N per sequence drawn among its
+    :func:`trainable_anchors` (``seed``: :func:`distill.training.anchors.anchor_seed`); block position 0 is
+    trained at every position either way. ``shift``: for tests only, moves the teacher of the positions k >= 1 (a
+    wrong step that must fail).
     """
+    if anchors:
+        picked, chosen = pick_anchors(trainable_anchors(valid, loss_mask), anchors, seed)
+        return anchored_loss(
+            draft, teacher, ids, valid, loss_mask, picked, chosen, loss, beta, temperature, step_weight, vocab_size,
+            shift,
+        )  # fmt: skip
     blocks = decoding.block_logits(draft, ids, valid, decoding.block_of(draft))
     width = ids.shape[1]
+
+    def terms() -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # one shifted teacher at a time
+        for k, student in enumerate(blocks):
+            at = k + (shift if k else 0)
+            if at >= width:
+                return
+            mask = torch.zeros_like(loss_mask)
+            mask[:, : width - at] = loss_mask[:, at:]
+            shifted = torch.zeros_like(teacher)
+            shifted[:, : width - at] = teacher[:, at:]
+            yield student, shifted, mask
+
+    return weighted_loss(terms(), loss, beta, temperature, step_weight, vocab_size)
+
+
+def trainable_anchors(valid: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: the positions i whose first block position is trained (x_{i+2}, predicted at i + 1, counts)."""
+    trainable = torch.zeros_like(valid, dtype=torch.bool)
+    trainable[:, :-1] = loss_mask[:, 1:].bool() & valid[:, 1:].bool()
+    return trainable & valid.bool()
+
+
+def anchored_loss(
+    draft: nn.Module,
+    teacher: torch.Tensor,
+    ids: torch.Tensor,
+    valid: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    chosen: torch.Tensor,
+    loss: str,
+    beta: float,
+    temperature: float,
+    step_weight: float,
+    vocab_size: int | None = None,
+    shift: int = 0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`block_loss` with the mask segments at ``anchors`` [B, N] only (``chosen`` [B, N] of them count):
+    block position 0 at every position, block position k >= 1 at anchor j against the target's row anchors[j] + k
+    where ``loss_mask`` keeps it (:func:`decode.kinds.pard.decoding.anchor_logits`)."""
+    blocks = decoding.anchor_logits(draft, ids, valid, decoding.block_of(draft), anchors)
+    width = ids.shape[1]
+
+    def terms() -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        yield blocks[0], teacher, loss_mask
+        for k, student in enumerate(blocks[1:], start=1):
+            rows = anchors + k + shift
+            inside = (rows >= 0) & (rows < width)
+            rows = rows.clamp(0, width - 1)
+            rows_teacher = teacher.gather(1, rows[..., None].expand(-1, -1, teacher.shape[-1]))  # [B, N, V]
+            yield student, rows_teacher, (chosen & inside & loss_mask.gather(1, rows).bool()).to(loss_mask.dtype)
+
+    return weighted_loss(terms(), loss, beta, temperature, step_weight, vocab_size)
+
+
+def weighted_loss(
+    terms: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    loss: str,
+    beta: float,
+    temperature: float,
+    step_weight: float,
+    vocab_size: int | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """sum_k w^k loss_k / sum_k w^k over block positions k given as (student logits, teacher logits, mask)."""
     total, weights, stats = None, 0.0, {}
-    for k, student in enumerate(blocks):
-        at = k + (shift if k else 0)
-        if at >= width:
-            break
-        mask = torch.zeros_like(loss_mask)
-        mask[:, : width - at] = loss_mask[:, at:]
+    for k, (student, teacher, mask) in enumerate(terms):
         if not bool(mask.any()):
             continue  # sequences too short for this position
-        shifted = torch.zeros_like(teacher)
-        shifted[:, : width - at] = teacher[:, at:]
         loss_k = losses.distill_loss(
-            student, shifted, mask, loss=loss, beta=beta, temperature=temperature, vocab_size=vocab_size
+            student, teacher, mask, loss=loss, beta=beta, temperature=temperature, vocab_size=vocab_size
         )
         weight = step_weight**k
         total = weight * loss_k if total is None else total + weight * loss_k
         weights += weight
         stats[f"train/loss_{k}"] = float(loss_k.detach())
-        agreement = losses.top1_agreement(student.detach(), shifted, mask, vocab_size=vocab_size)
+        agreement = losses.top1_agreement(student.detach(), teacher, mask, vocab_size=vocab_size)
         stats[f"train/acc_{k}"] = float(agreement)
     if total is None:
         raise ValueError("the loss mask selects no completion token: raise distill.max_new_tokens")
@@ -169,6 +242,7 @@ def loss_step(
         loss, stats = block_loss(
             _Forward(draft, unwrapped), teacher, batch["input_ids"], batch["attention_mask"].bool(),
             batch["loss_mask"], cfg.loss, cfg.beta, cfg.temperature, cfg.step_weight, vocab_size,
+            anchors=cfg.anchors, seed=step_seed(accelerator, recipe.train.seed) if cfg.anchors else 0,
         )  # fmt: skip
         return StepLoss(loss, stats.get("train/acc_0", 0.0), len(pairs), stats)
 

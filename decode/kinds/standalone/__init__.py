@@ -14,6 +14,7 @@ TRAITS = KindTraits(
     block=False,
     reads_hidden_states=False,
     layer_output_context=False,
+    trains_anchors=False,
     loads_draft_model=True,
     hf_assisted=True,
     generates_rollouts=True,
