@@ -21,6 +21,7 @@ from distill.training.checkpoints import (
     beats,
     replace_dir,
     select_best,
+    selection_note,
     steps_to_keep,
     write_json_atomic,
 )
@@ -97,6 +98,26 @@ def test_without_intervals_selection_is_by_point_speedup():
     infos = [info(0, 1.1, None), info(5, 1.3, None, 0.4), info(9, 1.3, None, 0.4), info(12, 1.2, None, 0.9)]
     assert select_best(infos).step == 9
 
+
+
+def test_the_end_table_says_when_the_measurement_could_not_separate_best_from_the_others_or_the_base():
+    """A quickstart on a loaded CPU printed base 0.72x and best (step 64) 0.35x: best/ had been walked to by tau
+    through a noisy step 32 although step 64 is slower than the base beyond the noise. Now such a checkpoint is
+    out, each speedup is shown with its interval, and the table says in words what decided."""
+    base = CheckpointInfo(0, 0.72, 0.30, None, (0.40, 1.10), tau=1.3)
+    noisy = CheckpointInfo(32, 0.80, 0.31, None, (0.35, 1.20), tau=1.4)
+    slower = CheckpointInfo(64, 0.35, 0.40, None, (0.20, 0.90), tau=1.9)  # the base's lower bound 0.40 > 0.35
+    assert select_best([base, noisy, slower]).step == 32
+    notes = selection_note([base, noisy, slower], base)
+    assert "step 0" in notes[0] and "could not separate them" in notes[0] and "1.40 against 1.30" in notes[0]
+    assert "base draft" in notes[1] and "inside the noise" in notes[1]
+    clear = CheckpointInfo(96, 1.60, 0.50, None, (1.50, 1.70), tau=2.5)
+    notes = selection_note([base, noisy, slower, clear], base)
+    assert notes == ["best/ (step 96) is faster (1.60x [1.50, 1.70] against 0.80x) than the next fastest, step 32."]
+    result = {**bench_result(5, 1.3), "tokens_per_s": {"speculative": 100.0}}
+    result["speedup"]["vs_target_ci95"] = [1.1, 1.5]
+    table = summary_table(None, result, 5, selection=["the note"])
+    assert "1.30x [1.10, 1.50]" in table and table.splitlines()[-1] == "the note"
 
 PROMPT_SPREAD = [0.90, 1.00, 1.10, 1.20, 1.30, 1.40, 1.50, 1.60]  # one checkpoint's speedup on 8 eval prompts
 

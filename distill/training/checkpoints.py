@@ -403,17 +403,78 @@ def beats(challenger: CheckpointInfo, incumbent: CheckpointInfo) -> bool:
     return challenger.step > incumbent.step
 
 
+def clearly_slower(a: CheckpointInfo, b: CheckpointInfo) -> bool:
+    """Whether `a` is slower than `b` beyond the timing noise: the paired interval on a / b below 1 where both
+    carry per-batch speedups on the same prompts, else `b`'s lower bound above `a`'s speedup."""
+    paired = paired_ratio_ci95(a, b)
+    return paired[1] < 1.0 if paired is not None else b.interval[0] > a.speedup
+
+
 def select_best(infos: list[CheckpointInfo]) -> CheckpointInfo:
-    """The best checkpoint by measured speedup beyond the timing noise: walking the checkpoints in step order, each
-    replaces the incumbent only when it `beats` it. Never by the loss."""
+    """The best checkpoint by measured speedup beyond the timing noise. Never by the loss.
+
+    A checkpoint slower than any other beyond the noise is out; among the rest, walking in step order, each
+    replaces the incumbent only when it `beats` it. (A walk alone can end on a checkpoint slower than an early
+    one: ties by tau passed on through a noisy middle checkpoint.)"""
     if not infos:
         raise ValueError("no evaluated checkpoints to select from")
     ordered = sorted(infos, key=lambda info: info.step)
-    best = ordered[0]
-    for info in ordered[1:]:
+    contenders = [i for i in ordered if not any(clearly_slower(i, o) for o in ordered if o is not i)] or ordered
+    best = contenders[0]
+    for info in contenders[1:]:
         if beats(info, best):
             best = info
     return best
+
+
+def _versus(a: CheckpointInfo, b: CheckpointInfo) -> str:
+    """How `a` compares with `b` in words: "faster", "slower" or "inside the noise", with the figure that says so
+    (the paired interval where both carry per-batch speedups on the same prompts, else both own intervals)."""
+    paired = paired_ratio_ci95(a, b)
+    if paired is not None:
+        verdict = "faster" if paired[0] > 1.0 else "slower" if paired[1] < 1.0 else "inside the noise"
+        return f"{verdict} (paired 95% interval on the ratio [{paired[0]:.2f}, {paired[1]:.2f}])"
+    if a.interval[0] > b.speedup:
+        return f"faster ({a.speedup:.2f}x [{a.interval[0]:.2f}, {a.interval[1]:.2f}] against {b.speedup:.2f}x)"
+    if b.interval[0] > a.speedup:
+        return f"slower ({a.speedup:.2f}x against {b.speedup:.2f}x [{b.interval[0]:.2f}, {b.interval[1]:.2f}])"
+    return (
+        f"inside the noise ({a.speedup:.2f}x [{a.interval[0]:.2f}, {a.interval[1]:.2f}] against "
+        f"{b.speedup:.2f}x [{b.interval[0]:.2f}, {b.interval[1]:.2f}])"
+    )
+
+
+def selection_note(infos: list[CheckpointInfo], base: CheckpointInfo | None = None) -> list[str]:
+    """In words, what the measurement could tell apart and what decided best/ (printed under the end table and kept
+    in report.json as `selection`): whether best/ beat the base draft and the fastest-measured other checkpoint
+    beyond the timing noise, and, where it did not, that tau (tokens per target pass) or the later step decided."""
+    best = select_best(infos)
+    lines = []
+    others = [i for i in infos if i.step != best.step]
+    if others:
+        fastest = max(others, key=lambda i: i.speedup)
+        verdict = _versus(best, fastest)
+        if verdict.startswith("faster"):
+            lines.append(f"best/ (step {best.step}) is {verdict} than the next fastest, step {fastest.step}.")
+        else:
+            mine, theirs = _tokens_per_pass(best, fastest)
+            decided = (
+                f"the more tokens per target pass decided ({mine:.2f} against {theirs:.2f})"
+                if mine != theirs
+                else "the later step decided"
+            )
+            lines.append(
+                f"best/ (step {best.step}) against step {fastest.step}, the fastest other checkpoint: {verdict}; "
+                f"the measurement could not separate them, so {decided}."
+            )
+    if base is not None and base.step != best.step:
+        verdict = _versus(best, base)
+        if not verdict.startswith("faster"):
+            lines.append(
+                f"Against the base draft, best/ is {verdict}: the training's gain is not shown beyond the timing "
+                "noise (more eval prompts or eval.repeats narrow it)."
+            )
+    return lines
 
 
 def steps_to_keep(infos: list[CheckpointInfo], keep_top_k: int, newest_step: int | None) -> set[int]:

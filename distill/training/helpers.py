@@ -245,20 +245,35 @@ def eval_metrics(result: dict, prefix: str = "eval/") -> dict[str, float]:
 # ---------------------------------------------------------------- output
 
 
-def summary_table(base: dict | None, best: dict, best_step: int, clock: dict | None = None) -> str:
-    """Base vs best, as printed at the end of a run (base "-" when eval.at_start=false skipped it), and with
-    `clock` (report.json's) the line of where the run's minutes went (:func:`clock_line`)."""
+def speedup_text(result: dict) -> str:
+    """The speedup over target-only with its 95% interval, e.g. "1.35x [1.21, 1.52]" (the point alone without one)."""
+    ci = speedup_ci95(result)
+    point = f"{result['speedup']['vs_target']:.2f}x"
+    return f"{point} [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else point
+
+
+def summary_table(
+    base: dict | None, best: dict, best_step: int, clock: dict | None = None, selection: Sequence[str] = ()
+) -> str:
+    """Base vs best, as printed at the end of a run (base "-" when eval.at_start=false skipped it), each speedup
+    with its 95% interval; under it `selection` (report.json's: what the noise let the measurement separate and
+    what decided best/) and with `clock` (report.json's) the line of where the run's minutes went
+    (:func:`clock_line`)."""
     figures = [
-        ("acceptance rate", lambda r: r["acceptance_rate"], "{:.3f}"),
-        ("tau (tokens / target pass)", lambda r: r["mean_accepted_length"], "{:.2f}"),
-        ("speedup vs target", lambda r: r["speedup"]["vs_target"], "{:.2f}x"),
-        ("tokens/s speculative", lambda r: r["tokens_per_s"]["speculative"], "{:.1f}"),
+        ("acceptance rate", lambda r: f"{r['acceptance_rate']:.3f}"),
+        ("tau (tokens / target pass)", lambda r: f"{r['mean_accepted_length']:.2f}"),
+        ("speedup vs target [95%]", speedup_text),
+        ("tokens/s speculative", lambda r: f"{r['tokens_per_s']['speculative']:.1f}"),
     ]
-    width = max(len(name) for name, _, _ in figures)
-    lines = [f"{'':<{width}}  {'base':>9}  {f'best (step {best_step})':>16}"]
-    for name, get, fmt in figures:
-        a = fmt.format(get(base)) if base is not None else "-"
-        lines.append(f"{name:<{width}}  {a:>9}  {fmt.format(get(best)):>16}")
+    width = max(len(name) for name, _ in figures)
+    cols = [get(base) if base is not None else "-" for _, get in figures], [get(best) for _, get in figures]
+    left = max(9, *(len(v) for v in cols[0]))
+    right = max(len(f"best (step {best_step})"), *(len(v) for v in cols[1]))
+    lines = [f"{'':<{width}}  {'base':>{left}}  {f'best (step {best_step})':>{right}}"]
+    for (name, _), a, b in zip(figures, *cols):
+        lines.append(f"{name:<{width}}  {a:>{left}}  {b:>{right}}")
+    if selection:
+        lines += ["", *selection]
     if clock is not None:
         lines += ["", clock_line(clock)]
     return "\n".join(lines)

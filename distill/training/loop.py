@@ -212,7 +212,8 @@ def write_report(state: RunState, checksums: list[float], world: int) -> None:
     except OSError as err:
         png.unlink(missing_ok=True)  # half a picture
         raise as_disk_error(err, png) from None
-    print("\n" + summary_table(report["base"], report["best"], report["best_step"], report["clock"]))
+    table = summary_table(report["base"], report["best"], report["best_step"], report["clock"], report["selection"])
+    print("\n" + table)
     print(f"\nbest draft: {state.out / 'best'}\nreport: {state.out / 'report.json'}\nplot: {plot}")
 
 

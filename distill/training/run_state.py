@@ -33,6 +33,7 @@ from distill.training.checkpoints import (
     recover_replace,
     replace_dir,
     select_best,
+    selection_note,
     steps_to_keep,
     write_json_atomic,
     write_text_atomic,
@@ -488,12 +489,16 @@ class RunState:
 
     def report(self, checksums: list[float], world: int) -> dict:
         """report.json's content: base and best evaluations, every checkpoint's figures, where the clock went."""
-        best = select_best(self.infos())
+        infos = self.infos()
+        best = select_best(infos)
+        # null when eval.at_start=false skipped the starting draft's evaluation
+        base = json.loads(path.read_text()) if (path := self.out / "base_eval.json").exists() else None
         return {
-            # null when eval.at_start=false skipped the starting draft's evaluation
-            "base": json.loads(base.read_text()) if (base := self.out / "base_eval.json").exists() else None,
+            "base": base,
             "best": json.loads((self.out / "best" / "eval.json").read_text()),
             "best_step": best.step,
+            # in words: what the timing noise let the measurement separate, and what decided best/
+            "selection": selection_note(infos, CheckpointInfo.from_eval(0, base) if base else None),
             "checkpoints": sorted(self.history, key=lambda h: h["step"]),
             "world_size": world,
             "param_checksums": checksums,
