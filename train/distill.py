@@ -134,6 +134,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
 
     from distill import draft_init, kinds, models
     from distill.data.prompts import collate_training
+    from distill.publishing import gguf
     from distill.training import distributed, preflight, schedule
     from distill.training.build import build_accelerator, build_data, build_source, pregenerate, resume_state
     from distill.training.checkpoints import newest_checkpoint
@@ -165,6 +166,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     kind = kinds.get(recipe.draft.kind)  # how this draft is built, trained, evaluated and saved (distill/kinds/)
     distributed.check_launch(recipe)  # DeepSpeed without CUDA, FSDP with on-policy rollouts...: refuse up front
     preflight.check_inputs(recipe)  # configs, tokenizers, GGUF headers, prompt files: refuse before writing anything
+    gguf_plan = gguf.run_plan(recipe)  # export.gguf: llama.cpp, its converter and --spec-type found, or refused
     state = RunState(Path(recipe.output_dir).resolve(), recipe)
     out, ckpt_root = state.out, state.ckpt_root
     is_main = int(os.environ.get("RANK", "0")) == 0
@@ -319,6 +321,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     if accelerator.is_main_process:
         write_report(state, checksums.tolist(), world)
         measure_extra_engines(out / "best", recipe, eval_rows)  # best/eval_<engine>.json (eval.extra_engines)
+        gguf.export_run(out / "best", recipe, gguf_plan)  # best/draft-<type>.gguf, report.json's gguf
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process and recipe.publish.push_to_hub:

@@ -7,13 +7,15 @@
     python train/publish.py runs/quickstart --repo-id USER/quickstart-draft --dry-run out/quickstart-draft
     # a QLoRA run: the merged draft is re-measured before the upload; --no-remeasure keeps the 4-bit figures
     python train/publish.py runs/x --repo-id USER/NAME --license apache-2.0 --no-remeasure
+    # with the draft as GGUF for llama.cpp (draft-f16.gguf; --gguf f32,q8_0 for others)
+    python train/publish.py runs/x --repo-id USER/NAME --gguf
 
 The folder (docs/publish.md): merged safetensors with the target's vocab_size, the target's tokenizer files,
 generation_config.json with the best measured num_assistant_tokens, README.md (model card with the figures
 of every engine that measured the draft, in model-index too, hardware, prompts, recipe and HF / vLLM / SGLang
-usage), draftsmith_eval.json and resolved_recipe.yaml; local paths appear only as base names. Uploads use
-HF_TOKEN or a saved `hf auth login`. Python shipped with a model (`auto_map`) runs only with --trust-remote-code.
-Errors print one line and exit 2.
+usage), draftsmith_eval.json and resolved_recipe.yaml, with --gguf draft-<type>.gguf for llama.cpp; local paths
+appear only as base names. Uploads use HF_TOKEN or a saved `hf auth login`. Python shipped with a model (`auto_map`)
+runs only with --trust-remote-code. Errors print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -53,17 +55,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="QLoRA: publish the training-time (4-bit) figures with a note instead of re-measuring the merged draft",
     )
+    p.add_argument(
+        "--gguf",
+        nargs="?",
+        const="f16",
+        default=None,
+        metavar="TYPES",
+        help="also write the draft as draft-<type>.gguf for llama.cpp (llama-server -md, its kind's --spec-type): "
+        "f16 when given bare, or f32, f16, bf16, q8_0 (comma-separated for several); the card gets the llama-server "
+        "line. Needs llama.cpp's converter and the target's HF folder or Hub id",
+    )
+    p.add_argument(
+        "--llama-cpp",
+        metavar="DIR",
+        default=None,
+        help="llama.cpp checkout or build folder for --gguf (default: $DRAFTSMITH_LLAMA_CPP, draftsmith's cache, "
+        "PATH)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # imported once the arguments parse: it loads torch and transformers (seconds), which --help does not need
+    from decode.llamacpp.export import parse_types
     from distill.publishing.publish import PublishError, publish
 
     handler = logging.StreamHandler()  # the library's warnings, one line each
     handler.setFormatter(logging.Formatter("warning: %(message)s"))
     logging.getLogger("draftsmith.publish").addHandler(handler)
+    try:
+        gguf = parse_types(args.gguf)
+    except ValueError as e:
+        print(f"error: --gguf: {e}", file=sys.stderr)
+        return 2
     try:
         where = publish(
             args.source,
@@ -76,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             license=args.license,
             verifier=args.verifier,
             trust_remote_code=args.trust_remote_code,
+            gguf=gguf,
+            llama_cpp=args.llama_cpp,
         )
     except PublishError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -5,6 +5,8 @@
     decode/kinds/<kind>/training.py   how train/distill.py builds, trains and saves it (``distill.kinds.interface``)
     decode/kinds/<kind>/publishing.py what its published folder and model card say (``distill.publishing``)
     decode/kinds/<kind>/recipe.py     what it refuses of a recipe beyond the shared checks (``distill.config``)
+    decode/kinds/<kind>/gguf.py       the folder llama.cpp's converter reads (``decode.llamacpp.export``); only
+                                      the kinds llama.cpp serves (``llamacpp_spec_type``) have one
 
 This file is the registry: one import and one entry per kind, in the order kinds are listed. It stays torch-free
 (the recipe checks draft.kind against it); :func:`decoding` and :func:`training` import a kind's modules when
@@ -39,7 +41,9 @@ KINDS: dict[str, KindTraits] = {
 # the kind of a draft folder that records no kind: a plain causal LM
 PLAIN_LM = standalone.TRAITS.name
 
-__all__ = ["KINDS", "PLAIN_LM", "KindTraits", "decoding", "names", "publishing", "recipe", "training", "traits"]
+__all__ = [
+    "KINDS", "PLAIN_LM", "KindTraits", "decoding", "gguf", "names", "publishing", "recipe", "training", "traits",
+]  # fmt: skip
 
 
 def names() -> tuple[str, ...]:
@@ -78,3 +82,21 @@ def recipe(name: str) -> ModuleType:
     """The recipe module of kind ``name`` (``decode.kinds.<name>.recipe``: ``problems(recipe)``, what the kind
     refuses of a recipe beyond the shared checks; torch-free)."""
     return importlib.import_module(f"{__name__}.{traits(name).name}.recipe")
+
+
+def gguf(name: str) -> ModuleType:
+    """The GGUF module of kind ``name`` (``decode.kinds.<name>.gguf``: ``check(folder, target_dir)`` and
+    ``gguf_folder(folder, staging, target_dir)``, the folder llama.cpp's converter reads; torch-free at import).
+
+    Raises:
+        ValueError: one line: llama.cpp serves no draft of this kind (no ``llamacpp_spec_type``), naming the vLLM
+            method that serves it.
+    """
+    t = traits(name)
+    if t.llamacpp_spec_type is None:
+        parallel = " with parallel_drafting" if t.vllm_parallel_drafting else ""
+        raise ValueError(
+            f"{t.description} (draft.kind={t.name}) cannot be served by llama.cpp, which has no --spec-type for it: "
+            f"serve it with vLLM (speculative method {t.vllm_method}{parallel}) or draftsmith's decoder"
+        )
+    return importlib.import_module(f"{__name__}.{t.name}.gguf")

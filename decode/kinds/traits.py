@@ -31,3 +31,7 @@ class KindTraits:
     draft_tree: bool  # drafts a greedy tree (tree:TOPK,DEPTH,NODES; decode.tree): its decoding gives tree_drafter
     llamacpp_spec_type: str | None  # llama.cpp's speculative type that serves it; None: llama.cpp cannot
     recipe_keys: tuple[str, ...]  # the draft.* keys only the kinds that list them read (a key one kind lists: its own)
+    # how llama.cpp's GGUF of it reads (decode.llamacpp tells a draft GGUF's kind by them): its general.architecture
+    # (None: the architecture of a plain LM, any), and tensors only its GGUF has among that architecture's
+    gguf_architecture: str | None = None
+    gguf_tensors: tuple[str, ...] = ()

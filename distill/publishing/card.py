@@ -297,6 +297,35 @@ def _speed_claim(best: dict) -> str:
     )
 
 
+def llamacpp_usage(info: dict, repo_id: str) -> list[str]:
+    """The card's llama.cpp section when GGUF files were published (``info["llamacpp"]``, publish --gguf): the
+    ``llama-server`` line with the kind's ``--spec-type`` and the K the figures measured best; [] otherwise."""
+    gguf = info.get("llamacpp")
+    if not gguf or not gguf.get("files"):
+        return []
+    from decode.llamacpp.export import launch_line
+
+    k = int(info.get("num_assistant_tokens") or 1)
+    if info.get("block_size"):  # a block draft drafts at most its block per forward
+        k = min(k, int(info["block_size"]))
+    first = gguf["files"][0]
+    files = ", ".join(f"`{f}`" for f in gguf["files"])
+    return [
+        "## llama.cpp",
+        "",
+        f"This repo has the draft as GGUF ({files}) for llama.cpp's `llama-server`, next to a GGUF of "
+        f"{info['target']} (any quantization of it):",
+        "",
+        "```bash",
+        f"hf download {repo_id} {first} --local-dir .",
+        launch_line(gguf["spec_type"], k, target="TARGET.gguf", draft=first),
+        "```",
+        "",
+        f"`--spec-draft-n-max {k}`: the draft tokens per round the figures above were measured with.",
+        "",
+    ]
+
+
 def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) -> str:
     """README.md for the published draft, rendered from `info` (the content of draftsmith_eval.json)."""
     best, target = info["best"], info["target"]
@@ -310,6 +339,7 @@ def render_model_card(info: dict, repo_id: str, recipe_text: str | None = None) 
     ]
     lines += _figures(info)
     lines += [""] + kind.usage(info, repo_id)
+    lines += llamacpp_usage(info, repo_id)
     supply = info.get("reproduce_inputs") or {}
     prompts_file = info["prompts"] if str(info["prompts"]).endswith(".jsonl") else "PROMPTS.jsonl"
     prompts_file = supply.get("data.eval_prompts", prompts_file)

@@ -303,6 +303,9 @@ class BuildOptions:
     verifier: str | None = None  # an EAGLE-3 head's speculators verifier (default: the target's Hub id)
     # run the Python a model ships (auto_map): the command line's choice, never the recipe's or the folder's
     trust_remote_code: bool = False
+    gguf: tuple[str, ...] = ()  # --gguf: draft-<type>.gguf for llama.cpp written into the folder
+    llama_cpp: str | None = None  # --llama-cpp: where llama.cpp and its converter are
+    gguf_plan: Any = None  # decode.llamacpp.export.Plan, made by check_gguf before anything is written
 
 
 def loaded_models(src: PublishSource) -> list[tuple[str, str, str | None]]:
@@ -334,6 +337,39 @@ def check_remote_code(src: PublishSource, trusted: bool) -> None:
             raise PublishError(str(e)) from None
 
 
+def check_gguf(src: PublishSource, options: BuildOptions) -> None:
+    """--gguf: every check of the export (the draft's kind served by llama.cpp, the target's HF folder, llama.cpp,
+    its converter and ``--spec-type``) before anything is written; the plan kept in ``options.gguf_plan``."""
+    if not options.gguf:
+        return
+    from decode.llamacpp import export
+
+    target = recipe_get(src.recipe, "target.model") or src.eval.get("target")
+    try:
+        options.gguf_plan = export.plan(
+            served_kind(src.model_dir),
+            target,
+            options.gguf,
+            options.llama_cpp,
+            recipe_get(src.recipe, "target.revision"),
+        )
+    except ValueError as e:
+        raise PublishError(f"--gguf: {e}") from None
+
+
+def _write_gguf(dest: Path, options: BuildOptions, info: dict) -> None:
+    """The folder's draft as draft-<type>.gguf beside it (--gguf), and what the card says of them."""
+    if options.gguf_plan is None:
+        return
+    from distill.publishing import gguf
+
+    try:
+        gguf.write(dest, options.gguf_plan)
+    except ValueError as e:
+        raise PublishError(f"--gguf: {e}") from None
+    info["llamacpp"] = gguf.card_info(options.gguf_plan)
+
+
 def build_publish_folder(
     source: str | Path, out_dir: str | Path, repo_id: str, options: BuildOptions | None = None
 ) -> Path:
@@ -347,6 +383,7 @@ def build_publish_folder(
     _check_names(src, repo_id)
     options = options or BuildOptions()
     check_remote_code(src, options.trust_remote_code)
+    check_gguf(src, options)
     return _build_atomic(src, Path(out_dir), repo_id, options)
 
 
@@ -511,6 +548,7 @@ def _build_into(src: PublishSource, dest: Path, repo_id: str, options: BuildOpti
         info["training_eval"] = training_eval
     if not is_hub_id(base_id):
         log.warning(f"draft base {base_name!r} is not a Hub id: the card omits base_model")
+    _write_gguf(dest, options, info)
     _write_card_files(src, dest, repo_id, info)
 
 
@@ -598,6 +636,7 @@ def _build_served_into(
         **facts,  # block_size (the tokens it drafts in one forward), verifier (what config.json names), method
         num_assistant_tokens=gamma,  # the gamma the figures were measured with (vLLM / SGLang num steps)
     )  # fmt: skip
+    _write_gguf(dest, options, info)
     _write_card_files(src, dest, repo_id, info)
 
 
@@ -630,6 +669,8 @@ def publish(
     license: str | None = None,
     verifier: str | None = None,
     trust_remote_code: bool = False,
+    gguf: tuple[str, ...] = (),
+    llama_cpp: str | None = None,
 ) -> str:
     """Build the publish folder from a run or checkpoint dir and upload it; or, with `dry_run_dir`, only write it.
 
@@ -637,15 +678,20 @@ def publish(
     the merged draft. `license` is the card's license id (default: the base draft's, when its card is readable).
     `verifier`: the target an EAGLE-3 head's config.json names for vLLM (default: the target's Hub id).
     `trust_remote_code`: run the Python a model ships (auto_map in its config.json); without it such a model is
-    refused (:func:`check_remote_code`), whatever the run's recipe says. Returns the repo URL, or the dry-run
-    folder's path. A bad source, a model that ships code unasked, an offline Hub or a missing login fail before the
-    (slow) build and before anything is uploaded.
+    refused (:func:`check_remote_code`), whatever the run's recipe says. `gguf`: llama.cpp GGUF types written into
+    the folder as draft-<type>.gguf (:func:`check_gguf`), with llama.cpp from `llama_cpp`. Returns the repo URL, or
+    the dry-run folder's path. A bad source, a model that ships code unasked, an offline Hub or a missing login fail
+    before the (slow) build and before anything is uploaded.
     """
     check_repo_id(repo_id, names=False)
-    options = BuildOptions(remeasure, license=license, verifier=verifier, trust_remote_code=trust_remote_code)
+    options = BuildOptions(
+        remeasure, license=license, verifier=verifier, trust_remote_code=trust_remote_code, gguf=tuple(gguf),
+        llama_cpp=llama_cpp,
+    )  # fmt: skip
     src = resolve_source(source)
     _check_names(src, repo_id, dry_run_dir)
     check_remote_code(src, trust_remote_code)
+    check_gguf(src, options)
     if dry_run_dir is not None:
         return str(_build_atomic(src, Path(dry_run_dir), repo_id, options))
     check_hub_access()

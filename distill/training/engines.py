@@ -1,5 +1,5 @@
 """Measuring a draft with the recipe's eval settings in each engine: draftsmith's own decoder
-(:func:`bench_by_recipe`) and vLLM (recipe keys ``eval.engine`` and ``eval.extra_engines``).
+(:func:`bench_by_recipe`), vLLM, and llama.cpp at the end (recipe keys ``eval.engine`` and ``eval.extra_engines``).
 
 vLLM loads models from directories, so the draft is first saved the way vLLM serves it: in the target's dtype
 and with the target's vocab_size. Each vLLM measurement runs ``python -m decode bench --engine vllm`` in a
@@ -166,6 +166,19 @@ def _bench_vllm(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype: str)
         )
 
 
+def _bench_llamacpp(best: Path, recipe: Recipe, prompts: Sequence[dict], dtype: str) -> dict:
+    """llama-server with best/ against llama-server target-only (``decode.llamacpp.bench``): best/ and an HF target
+    converted to GGUF in the eval's ``dtype`` (cached), the recipe's eval settings; one request at a time."""
+    from decode.llamacpp.bench import run_llamacpp_bench
+
+    s = _bench_settings(recipe, dtype)
+    return run_llamacpp_bench(
+        recipe.target.model, str(best), list(prompts), llama_cpp=recipe.export.llama_cpp,
+        max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
+        num_draft_tokens=s["num_draft_tokens"], repeats=s["repeats"], seed=s["seed"], dtype=dtype, progress=False,
+    )  # fmt: skip
+
+
 Z_NOISE = 3.0  # two-proportion z beyond which two engines' acceptance at a position differs
 KERNEL_TOLERANCE = 0.03  # engines run the same weights with their own kernels: bf16 rounding moves a few drafts
 
@@ -214,7 +227,7 @@ def measure_extra_engines(best: Path, recipe: Recipe, prompts: Sequence[dict]) -
     """``best/eval_<engine>.json`` for every engine of ``eval.extra_engines`` other than ``eval.engine``
     (whose figures are ``best/eval.json``), measured on the same prompts and settings, each engine's per-position
     acceptance compared with ``eval.engine``'s (:func:`record_served_acceptance`). Returns the files."""
-    benches = {"draftsmith": _bench_draftsmith, "vllm": _bench_vllm}
+    benches = {"draftsmith": _bench_draftsmith, "vllm": _bench_vllm, "llamacpp": _bench_llamacpp}
     written = []
     engines = [e for e in dict.fromkeys(recipe.eval.extra_engines) if e != recipe.eval.engine]
     if not engines:

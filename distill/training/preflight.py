@@ -17,6 +17,8 @@ files only.
   once the eval rows are held out from training (data.eval_prompts, or the data.eval_split of the training
   rows), some training row has tokens after tokenisation, and so does every eval row an evaluation decodes;
 * `data.engine: vllm` needs vLLM installed (the `vllm` extra);
+* `export.gguf` and `eval.extra_engines: [llamacpp]` need llama.cpp (its `llama-server`, converter and the kind's
+  `--spec-type`) and, for the converter, the target's HF folder (:func:`check_llamacpp`);
 * a draft folder saved as one kind (:func:`distill.kinds.folder_kind`: a head, a PARD or DFlash draft) is
   trained as that kind only (a kind's ``TRAITS.folder_kinds``: a P-EAGLE head starts from an EAGLE-3 head too);
 * the kind's own checks (its ``check_inputs``): for a head or a DFlash draft, the target's forward returns its
@@ -62,6 +64,7 @@ def check_inputs(recipe: Recipe) -> None:
         lambda: sources.load_config(target, key="target.model", **_config_kwargs(recipe.target))
     )
     kind.check_inputs(recipe, target, target_config)
+    check_llamacpp(recipe, target)
     if target is None:
         return  # nothing to check the draft and the prompts against yet
     tokenizer = models.load_tokenizer(recipe.target.model, recipe.target, key="target.model")
@@ -70,6 +73,21 @@ def check_inputs(recipe: Recipe) -> None:
         check_pair_vocab(recipe.target, recipe.draft, tokenizer, draft_tokenizer)
     check_chat_prompts(recipe.data, tokenizer, recipe.target.model)
     check_prompt_rows(recipe.data, tokenizer, recipe.eval.num_prompts)
+
+
+def check_llamacpp(recipe: Recipe, target: str | None) -> None:
+    """export.gguf and eval.extra_engines llamacpp: llama.cpp found, with the converter and the ``--spec-type`` the
+    kind needs, and (a draft built on the target's hidden states) the target's HF folder for the converter."""
+    from decode.llamacpp import export
+
+    if not recipe.export.gguf and "llamacpp" not in recipe.eval.extra_engines:
+        return
+    needs_hf = recipe.export.gguf or kinds.get(recipe.draft.kind).TRAITS.reads_hidden_states
+    gguf_target = target is not None and target.lower().endswith(".gguf")
+    export.plan(
+        recipe.draft.kind, target if needs_hf or not gguf_target else None, (), recipe.export.llama_cpp,
+        recipe.target.revision,
+    )  # fmt: skip
 
 
 def check_draft_folder(recipe: Recipe, kind: kinds.Kind) -> None:

@@ -24,4 +24,5 @@ TRAITS = KindTraits(
     draft_tree=False,
     llamacpp_spec_type="draft-dflash",
     recipe_keys=("aux_layers", "block_size", "mask_token_id", "num_layers"),
+    gguf_architecture="dflash",
 )

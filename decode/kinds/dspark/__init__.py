@@ -24,4 +24,6 @@ TRAITS = KindTraits(
     draft_tree=False,
     llamacpp_spec_type="draft-dspark",
     recipe_keys=("aux_layers", "block_size", "mask_token_id", "num_layers", "markov_rank", "confidence_min"),
+    gguf_architecture="dflash",
+    gguf_tensors=("markov_w1.weight",),  # its Markov head: a DFlash GGUF has none
 )

@@ -114,11 +114,15 @@ class DSparkDraft(dflash.DFlashDraft):
     def markov_rank(self) -> int:
         return int(self.config.markov_rank)
 
-    def position_outputs(self, states: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def position_outputs(
+        self, states: torch.Tensor, prev: torch.Tensor, head_logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [..., V] (float32) of final-normed block states [..., H] given the previous tokens [...], and the
-        confidence heads's logits [...] (None without one)."""
+        confidence heads's logits [...] (None without one). ``head_logits``: the states' output-layer logits, when
+        already computed (decoding computes the whole block's in one product)."""
         embedded = self.markov_head.markov_w1(prev)
-        logits = self.head_logits(states) + self.markov_head.markov_w2(embedded).float()
+        own = self.head_logits(states) if head_logits is None else head_logits
+        logits = own + self.markov_head.markov_w2(embedded).float()
         if self.confidence_head is None:
             return logits, None
         features = torch.cat([states, embedded.to(states.dtype)], -1)
@@ -157,10 +161,11 @@ class Drafter(dflash.Drafter):
     def chain(self, last: torch.Tensor, controller, block: int, proc, greedy: bool, generator):
         head: DSparkDraft = self.head
         states = dflash.block_states(head, self.cache, last)  # [B, K + 1, H]: the round's one forward
+        own = head.head_logits(states[:, : block + 1])  # one output-layer product for the block, as DFlash's
         later = iter(range(2, block + 1))
 
         def position(k: int, prev: torch.Tensor) -> torch.Tensor | None:
-            logits, confidence = head.position_outputs(states[:, k], prev)
+            logits, confidence = head.position_outputs(states[:, k], prev, own[:, k])
             if confidence is not None and head.confidence_min > 0:
                 if bool((confidence.sigmoid() < head.confidence_min).all()):
                     return None  # the cut: no row expects this position to be accepted

@@ -26,4 +26,5 @@ TRAITS = KindTraits(
     draft_tree=True,
     llamacpp_spec_type="draft-eagle3",
     recipe_keys=("aux_layers",),
+    gguf_architecture="eagle3",
 )

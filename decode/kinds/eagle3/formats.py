@@ -140,11 +140,16 @@ def tensor_names(directory: Path) -> list[str]:
 def check(directory: str | Path) -> str:
     """The format of the head in ``directory`` after the checks :func:`read` makes on its config (one-line
     ValueError otherwise), reading no tensor data: what a run checks before it writes anything."""
+    return native_config(directory)[1]
+
+
+def native_config(directory: str | Path) -> tuple[dict, str]:
+    """(the head's config in the native layout, its format) after :func:`check`'s checks, reading no tensor data;
+    left out of the file, ``eagle_aux_hidden_state_layer_ids`` stays absent (:func:`read` fills it in)."""
     directory = Path(directory)
     config = read_config(directory)
     fmt = detect(config, dict.fromkeys(tensor_names(directory)))
-    _native_config(config, fmt, directory / "config.json")
-    return fmt
+    return _native_config(config, fmt, directory / "config.json"), fmt
 
 
 def read_config(directory: Path) -> dict:
