@@ -99,7 +99,6 @@ def test_without_intervals_selection_is_by_point_speedup():
     assert select_best(infos).step == 9
 
 
-
 def test_the_end_table_says_when_the_measurement_could_not_separate_best_from_the_others_or_the_base():
     """A quickstart on a loaded CPU printed base 0.72x and best (step 64) 0.35x: best/ had been walked to by tau
     through a noisy step 32 although step 64 is slower than the base beyond the noise. Now such a checkpoint is
@@ -118,6 +117,7 @@ def test_the_end_table_says_when_the_measurement_could_not_separate_best_from_th
     result["speedup"]["vs_target_ci95"] = [1.1, 1.5]
     table = summary_table(None, result, 5, selection=["the note"])
     assert "1.30x [1.10, 1.50]" in table and table.splitlines()[-1] == "the note"
+
 
 PROMPT_SPREAD = [0.90, 1.00, 1.10, 1.20, 1.30, 1.40, 1.50, 1.60]  # one checkpoint's speedup on 8 eval prompts
 
