@@ -686,10 +686,11 @@ def _write_samples(path, tokenizer, prompts, batches, outputs, batch_size) -> No
     with Path(path).open("w", encoding="utf-8") as f:
         for b in range(len(batches)):
             for row in range(batches[b][0].shape[0]):
-                item = prompts[b * batch_size + row]
+                index = b * batch_size + row
+                prompt_id = str(prompts[index].get("id", index))  # a prompt without an id: its index (docs/data.md)
                 for method, name in names.items():
                     if method not in outputs:
                         continue
                     ids = outputs[method][b][row]
-                    line = {"id": item["id"], "method": name, "new_token_ids": ids, "text": tokenizer.decode(ids)}
+                    line = {"id": prompt_id, "method": name, "new_token_ids": ids, "text": tokenizer.decode(ids)}
                     f.write(json.dumps(line) + "\n")

@@ -17,8 +17,9 @@ files only.
   once the eval rows are held out from training (data.eval_prompts, or the data.eval_split of the training
   rows), some training row has tokens after tokenisation, and so does every eval row an evaluation decodes;
 * `data.engine: vllm` needs vLLM installed (the `vllm` extra);
-* `export.gguf` and `eval.extra_engines: [llamacpp]` need llama.cpp (its `llama-server`, converter and the kind's
-  `--spec-type`) and, for the converter, the target's HF folder (:func:`check_llamacpp`);
+* `eval.extra_engines: [llamacpp]` needs llama.cpp (its `llama-server`, converter and the kind's `--spec-type`) and,
+  for the converter, the target's HF folder (:func:`check_llamacpp`; `export.gguf` likewise, where train/distill.py
+  keeps its plan);
 * a draft folder saved as one kind (:func:`distill.kinds.folder_kind`: a head, a PARD or DFlash draft) is
   trained as that kind only (a kind's ``TRAITS.folder_kinds``: a P-EAGLE head starts from an EAGLE-3 head too);
 * the kind's own checks (its ``check_inputs``): for a head or a DFlash draft, the target's forward returns its
@@ -76,13 +77,14 @@ def check_inputs(recipe: Recipe) -> None:
 
 
 def check_llamacpp(recipe: Recipe, target: str | None) -> None:
-    """export.gguf and eval.extra_engines llamacpp: llama.cpp found, with the converter and the ``--spec-type`` the
-    kind needs, and (a draft built on the target's hidden states) the target's HF folder for the converter."""
+    """eval.extra_engines llamacpp: llama.cpp found, with the converter and the ``--spec-type`` the kind needs, and
+    (a draft built on the target's hidden states) the target's HF folder for the converter. ``export.gguf`` is
+    checked where its plan is kept (``distill.publishing.gguf.run_plan``)."""
     from decode.llamacpp import export
 
-    if not recipe.export.gguf and "llamacpp" not in recipe.eval.extra_engines:
+    if "llamacpp" not in recipe.eval.extra_engines:
         return
-    needs_hf = recipe.export.gguf or kinds.get(recipe.draft.kind).TRAITS.reads_hidden_states
+    needs_hf = kinds.get(recipe.draft.kind).TRAITS.reads_hidden_states
     gguf_target = target is not None and target.lower().endswith(".gguf")
     export.plan(
         recipe.draft.kind, target if needs_hf or not gguf_target else None, (), recipe.export.llama_cpp,
