@@ -57,9 +57,12 @@ def gguf_folder(folder: Path, staging: Path, target_dir: Path) -> Path:
     Returns ``staging``."""
     from decode.kinds.dflash.decoding import WEIGHTS
 
-    folder, staging = Path(folder), Path(staging)
-    raw = _config(folder)
+    return stage(Path(folder), Path(staging), staged_config(_config(Path(folder))), WEIGHTS)
+
+
+def stage(folder: Path, staging: Path, config: dict, weights: str) -> Path:
+    """``staging`` made: ``config`` as its config.json, ``folder``'s weights file ``weights`` linked. Returns it."""
     staging.mkdir(parents=True, exist_ok=True)
-    (staging / "config.json").write_text(json.dumps(staged_config(raw), indent=2) + "\n")
-    (staging / WEIGHTS).symlink_to((folder / WEIGHTS).resolve())
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (staging / weights).symlink_to((folder / weights).resolve())
     return staging

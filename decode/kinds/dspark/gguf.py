@@ -19,7 +19,6 @@ bidirectional attention) is stated rather than left to the converter's normalisa
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
@@ -62,11 +61,7 @@ def staged_config(raw: dict) -> dict:
 def gguf_folder(folder: Path, staging: Path, target_dir: Path) -> Path:
     """``staging`` made the folder llama.cpp's converter reads: :func:`staged_config` and the weights (linked).
     Returns ``staging``."""
+    from decode.kinds.dflash.gguf import stage
     from decode.kinds.dspark.decoding import WEIGHTS
 
-    folder, staging = Path(folder), Path(staging)
-    raw = _config(folder)
-    staging.mkdir(parents=True, exist_ok=True)
-    (staging / "config.json").write_text(json.dumps(staged_config(raw), indent=2) + "\n")
-    (staging / WEIGHTS).symlink_to((folder / WEIGHTS).resolve())
-    return staging
+    return stage(Path(folder), Path(staging), staged_config(_config(Path(folder))), WEIGHTS)
