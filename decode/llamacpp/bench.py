@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -223,8 +222,10 @@ def check_settings(num_draft_tokens: int | str, repeats: int, dtype: str | None,
             )
         if not 1 <= num_draft_tokens <= 256:
             raise ValueError(f"--num-draft-tokens {num_draft_tokens}: choose 1..256 or auto")
-    if draft_sample_method not in ("auto", "probabilistic", "greedy"):
-        raise ValueError(f"--draft-sample-method {draft_sample_method!r}: choose auto, probabilistic or greedy")
+    from decode.vllm_engine import SAMPLE_METHODS  # stdlib only: the same three choices as vLLM's engine
+
+    if draft_sample_method not in SAMPLE_METHODS:
+        raise ValueError(f"--draft-sample-method {draft_sample_method!r}: choose {', '.join(SAMPLE_METHODS)}")
     if dtype not in OUTTYPES:
         raise ValueError(f"--dtype {dtype}: --engine llamacpp converts to one of float32, bfloat16, float16")
     return OUTTYPES[dtype]
@@ -288,10 +289,6 @@ def encode(base: Server, prompts: list[dict], plan: Plan, max_new_tokens: int, k
     return encoded
 
 
-def _load_avg() -> float | None:
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-
-
 def run_llamacpp_bench(
     target: str,
     draft: str,
@@ -344,6 +341,8 @@ def run_llamacpp_bench(
         )
         return Server(cmd, name)
 
+    from decode.bench import _load_avg, result_header
+
     load_start = _load_avg()
     with Server(server_command(plan.exe, plan.target.path, setup, plan.flags), "target-only") as base:
         encoded = encode(base, prompts, plan, max_new_tokens, k)
@@ -362,8 +361,6 @@ def run_llamacpp_bench(
                 print(f"draft length: K={k} is expected fastest of 1..{choice['pilot_k']} (pilot)", file=sys.stderr)
         with spec_server(k, "speculative") as spec:
             measured = timed_runs(base, spec, encoded, body, repeats, progress)
-
-    from decode.bench import result_header
 
     result = {
         **result_header(

@@ -136,6 +136,15 @@ def gguf_kind(info: GgufInfo) -> str:
     return max(matches, key=lambda t: len(t.gguf_tensors)).name if matches else kinds.PLAIN_LM
 
 
+def check_vocab_count(both: str, target_tokens: int, draft_tokens: int) -> None:
+    """ValueError (one line) when two vocabularies are further apart than llama.cpp serves (:data:`VOCAB_SLACK`)."""
+    if abs(target_tokens - draft_tokens) > VOCAB_SLACK:
+        raise ValueError(
+            f"{both} do not fit: vocabularies of {target_tokens} and {draft_tokens} tokens (llama.cpp allows "
+            f"{VOCAB_SLACK} apart); use a draft with the target's tokenizer"
+        )
+
+
 def check_fit(target: GgufInfo, draft: GgufInfo, reads_hidden_states: bool) -> None:
     """The draft GGUF fits the target GGUF as llama.cpp will check once loaded: its vocabulary (token count within
     llama.cpp's slack, the same tokens), and for a draft over the target's hidden states, the width it reads.
@@ -153,11 +162,7 @@ def check_fit(target: GgufInfo, draft: GgufInfo, reads_hidden_states: bool) -> N
     if not draft.tokens or not target.tokens:  # a head that shares the target's vocabulary carries none
         return
     nt, nd = len(target.tokens), len(draft.tokens)
-    if abs(nt - nd) > VOCAB_SLACK:
-        raise ValueError(
-            f"{both} do not fit: vocabularies of {nt} and {nd} tokens (llama.cpp allows {VOCAB_SLACK} apart); "
-            "use a draft with the target's tokenizer"
-        )
+    check_vocab_count(both, nt, nd)
     for i in range(VOCAB_CHECK_FROM, min(nt, nd)):
         if target.tokens[i] != draft.tokens[i]:
             raise ValueError(
@@ -246,16 +251,8 @@ def draft_gguf(draft: str, kind: str, target_hf: Path | None, outtype: str, lc: 
 
         return Path(export_draft(path, target_hf, out, outtype, lc))
     vocab = json.loads((path / "config.json").read_text()).get("vocab_size")
-    if (
-        target is not None
-        and target.tokens
-        and isinstance(vocab, int)
-        and abs(vocab - len(target.tokens)) > VOCAB_SLACK
-    ):
-        raise ValueError(
-            f"--target {target.path.name} and --draft {path.name} do not fit: vocabularies of {len(target.tokens)} "
-            f"and {vocab} tokens (llama.cpp allows {VOCAB_SLACK} apart); use a draft with the target's tokenizer"
-        )
+    if target is not None and target.tokens and isinstance(vocab, int):
+        check_vocab_count(f"--target {target.path.name} and --draft {path.name}", len(target.tokens), vocab)
     from decode.llamacpp.convert import convert
 
     return convert(path, out, outtype, lc)

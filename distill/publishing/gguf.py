@@ -7,7 +7,6 @@ folder, llama.cpp, its converter and its ``--spec-type``); :func:`write` exports
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from decode.llamacpp import export
@@ -45,14 +44,13 @@ def export_run(best: Path, recipe, plan: export.Plan | None) -> list[Path]:
     best = Path(best)
     print(f"llama.cpp: writing {', '.join(export.gguf_name(t) for t in plan.types)} into {best}", flush=True)
     paths = write(best, plan, recipe.target.model, recipe.target.revision)
-    report_path = best.parent / "report.json"
-    if report_path.is_file():
-        from decode.metrics import best_gamma
-        from distill.training.checkpoints import write_json_atomic
+    from decode.metrics import best_gamma
+    from distill.training.checkpoints import update_json_atomic
 
-        report = json.loads(report_path.read_text())
+    def add_entry(report: dict) -> None:
         report["gguf"] = report_entry(paths, plan, best_gamma(report.get("best") or {}))
-        write_json_atomic(report_path, report)
+
+    update_json_atomic(best.parent / "report.json", add_entry)
     for path in paths:
         print(f"llama.cpp: wrote {path}")
     return paths

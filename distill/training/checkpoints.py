@@ -18,7 +18,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -288,6 +288,18 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON through a temp file + fsync + rename (+ fsync of the directory): readers never see half a
     file, and a power loss never leaves an empty one under the final name."""
     write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def update_json_atomic(path: Path, change: Callable[[dict], None]) -> bool:
+    """Apply ``change`` to the JSON object in ``path`` and write it back whole (:func:`write_json_atomic`): what
+    the run adds to report.json once it is written. False (nothing written) where ``path`` is not there."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    obj = json.loads(path.read_text())
+    change(obj)
+    write_json_atomic(path, obj)
+    return True
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from distill.config import ModelConfig, Recipe
-from distill.training.checkpoints import write_json_atomic
+from distill.training.checkpoints import update_json_atomic, write_json_atomic
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -214,13 +214,10 @@ def record_served_acceptance(run_dir: Path, engine: str, measured_by: str, gaps:
             f"warning: {engine} accepts the best draft differently from {measured_by} beyond noise ({where}): the "
             "draft it serves may not be the one trained (its format, aux layers or mask token); see report.json"
         )
-    report_path = run_dir / "report.json"
-    if not report_path.is_file():
-        return
-    report = json.loads(report_path.read_text())
-    served = report.setdefault("served_acceptance", {})
-    served[engine] = {"measured_by": measured_by, "differs": bool(gaps), "gaps": gaps}
-    write_json_atomic(report_path, report)
+    entry = {"measured_by": measured_by, "differs": bool(gaps), "gaps": gaps}
+    update_json_atomic(
+        run_dir / "report.json", lambda report: report.setdefault("served_acceptance", {}).update({engine: entry})
+    )
 
 
 def measure_extra_engines(best: Path, recipe: Recipe, prompts: Sequence[dict]) -> list[Path]:
