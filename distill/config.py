@@ -482,6 +482,7 @@ class LogConfig:
     project: str = _f("draftsmith", "W&B project")
     run_name: str | None = _f(None, "run name (default: output_dir's name)")
     every: int = _f(5, "optimizer steps between train metric logs")
+    group: str | None = _f(None, "W&B group (a multi-kind run puts its candidates' runs in one, named after it)")
 
 
 @dataclass
@@ -519,6 +520,22 @@ class ExportConfig:
 
 
 @dataclass
+class SearchConfig:
+    """A multi-kind run (draft.kind a list of kinds, or auto): how its clock is split (docs/kind-search.md)."""
+
+    explore: float = _f(
+        0.5, "share of the training minutes the halving rounds spend on every candidate; the last one gets the rest"
+    )
+    min_minutes: float = _f(
+        1.0, "training minutes each candidate gets before its first measurement, at least (sets the smallest budget)"
+    )
+
+    def __post_init__(self) -> None:
+        _check(0.0 < self.explore <= 1.0, "search.explore", f"must be in (0, 1], got {self.explore}")
+        _check(self.min_minutes > 0, "search.min_minutes", f"must be > 0, got {self.min_minutes}")
+
+
+@dataclass
 class Recipe:
     """A distillation run (train/distill.py)."""
 
@@ -531,6 +548,7 @@ class Recipe:
     log: LogConfig = field(default_factory=LogConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
     output_dir: str = _f("runs/distill", "run directory")
     build_pair: str | None = _f(None, "local pair to build when target/draft are missing: 'quickstart'")
 
@@ -938,8 +956,30 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+AUTO = "auto"  # draft.kind: every kind that fits the target and the draft given (distill.search)
+
+
+def is_multi_kind(data: dict) -> bool:
+    """Whether a recipe's data (:func:`read_recipe_data`) asks for several kinds: draft.kind a list, or auto."""
+    if not isinstance(data, dict):
+        return False
+    draft = data.get("draft")
+    kind = draft.get("kind") if isinstance(draft, dict) else None
+    return isinstance(kind, list) or kind == AUTO or "candidates" in data
+
+
 def load_recipe(path: str | Path | None, overrides: list[str] = (), cls: type[T] = Recipe) -> T:
     """Read a YAML recipe (or the defaults when path is None), apply overrides, validate."""
+    return build_recipe(read_recipe_data(path, overrides), cls)
+
+
+def build_recipe(data: Any, cls: type[T] = Recipe) -> T:
+    """A recipe (validated) from its data (:func:`read_recipe_data`)."""
+    return _build(cls, data)
+
+
+def read_recipe_data(path: str | Path | None, overrides: list[str] = ()) -> Any:
+    """A YAML recipe's data (empty when path is None) with the dotted overrides applied, not yet validated."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -951,7 +991,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), cls: type[T]
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
             raise RecipeError(f"recipe {str(path)!r} is not valid YAML{where}: fix the syntax") from None
-    return _build(cls, apply_overrides(data, list(overrides)))
+    return apply_overrides(data, list(overrides))
 
 
 def to_dict(recipe: Any) -> dict:

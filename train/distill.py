@@ -32,11 +32,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a source checkout without installing
 
-from distill.config import Recipe, RecipeError, dump_commented, load_recipe, to_dict  # noqa: E402
+from distill.config import (  # noqa: E402
+    Recipe,
+    RecipeError,
+    build_recipe,
+    dump_commented,
+    is_multi_kind,
+    read_recipe_data,
+    to_dict,
+)
 from distill.training import interrupt  # noqa: E402
 
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
@@ -106,13 +115,20 @@ def main(argv: list[str] | None = None, on_step: Callable[[StepReport], None] | 
     # the training side loads torch and transformers (seconds): imported only past the arguments and the recipe, so
     # --help and --print-config answer at once
     try:
-        recipe = load_recipe(args.recipe or QUICKSTART, args.overrides)
+        data = read_recipe_data(args.recipe or QUICKSTART, args.overrides)
+        if is_multi_kind(data):  # draft.kind a list or auto: the candidates, each a recipe (distill/search.py)
+            from distill.search import load_plan
+
+            recipe, plan = None, load_plan(data)
+        else:
+            recipe, plan = build_recipe(data), None
     except RecipeError as err:
         from distill.training.helpers import fail
 
         fail(str(err))
     if args.print_config:
-        print(dump_commented(recipe), end="")
+        shown = {f"# candidate {k}\n": r for k, r in plan.recipes.items()} if plan else {"": recipe}
+        print("".join(title + dump_commented(r) for title, r in shown.items()), end="")
         return
     from distill.training.checkpoints import DiskFullError
     from distill.training.helpers import fail
@@ -120,14 +136,28 @@ def main(argv: list[str] | None = None, on_step: Callable[[StepReport], None] | 
 
     interrupt.install()  # SIGTERM stops a run like Ctrl-C; in training, after saving the step's state
     try:
-        run(recipe, args, on_step=on_step)
+        if plan is not None:
+            from distill.training.search_run import run_search
+
+            run_search(plan, args, run, on_step=on_step)
+        else:
+            run(recipe, args, on_step=on_step)
     except KeyboardInterrupt as err:
         fail(interrupt.stopped(err))
     except (RecipeError, ValueError, FileNotFoundError, DiskFullError, NonFiniteLoss, EvaluationFailed) as err:
         fail(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
 
 
-def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport], None] | None = None) -> None:
+def run(
+    recipe: Recipe,
+    args: argparse.Namespace,
+    on_step: Callable[[StepReport], None] | None = None,
+    shared: Any = None,
+) -> None:
+    """One draft's training run. `shared` (a multi-kind run's candidate, distill.training.search_run.Shared): the
+    target and tokenizer already loaded, the kinds' stores of the target's side filled as it generated the data
+    once for every candidate, and the training minutes this round stops at (train.max_minutes stays the lr
+    schedule's horizon)."""
     import torch
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
@@ -188,8 +218,11 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
 
     # ---- models
     with accelerator.main_process_first():
-        tokenizer = models.load_tokenizer(recipe.target.model, recipe.target, key="target.model")
-        target = models.load_target(recipe.target, device=accelerator.device)
+        if shared is None:
+            tokenizer = models.load_tokenizer(recipe.target.model, recipe.target, key="target.model")
+            target = models.load_target(recipe.target, device=accelerator.device)
+        else:
+            tokenizer, target = shared.tokenizer, shared.target
         draft, draft_tokenizer = kind.load_draft(recipe, accelerator.device)  # None: built below, from the data
     vocab_size = models.check_compatible(target, draft or target, tokenizer, draft_tokenizer or tokenizer)
 
@@ -198,7 +231,7 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     if accelerator.is_main_process and recipe.train.mixed_precision == "auto":
         print(f"mixed precision: {mixed_precision} (auto)")
     # distill.cache_teacher: the target's side of sequences that come back in later epochs
-    teachers = kind.cache_teacher(recipe, target)
+    teachers = kind.cache_teacher(recipe, target) if shared is None else shared.teachers.get(recipe.draft.kind)
     source, pregen = None, Timer(0.0)
     if draft is None:  # built from the target's continuations (a head counts its draft vocabulary on them)
         source = build_source(recipe, target, tokenizer, out, rank, vocab_size)
@@ -226,7 +259,8 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
     metrics = MetricsLog(accelerator, out / "metrics.jsonl")
     start_step = resume_state(accelerator, state, args.resume)
     metrics.log({"distributed": engine}, step=start_step)
-    timer = Timer(recipe.train.max_minutes, elapsed_s=state.train_s + pregen.elapsed_s)
+    stop_minutes = recipe.train.max_minutes if shared is None else shared.stop_minutes
+    timer = Timer(stop_minutes, elapsed_s=state.train_s + pregen.elapsed_s)
     if source is None:  # a loaded draft: the target's continuations are generated now, sped up by it
         source = build_source(recipe, target, tokenizer, out, rank, vocab_size)
         pregenerate(recipe, source, train_prompts, accelerator, timer, rollout_draft, clock=state.clock)
@@ -310,7 +344,8 @@ def run(recipe: Recipe, args: argparse.Namespace, on_step: Callable[[StepReport]
                 save_state_only(accelerator, state, step)
             if out_of_time:
                 if accelerator.is_main_process:
-                    tqdm.write(f"train.max_minutes={recipe.train.max_minutes} reached at step {step}")
+                    what = "train.max_minutes" if shared is None else "this round's training minutes"
+                    tqdm.write(f"{what}={stop_minutes:g} reached at step {step}")
                 break
     interrupt.finish()  # interrupted in the last step or its evaluation: stop before the report, as check() does
 

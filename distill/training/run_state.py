@@ -46,9 +46,10 @@ TRAINER_STATE = "trainer_state.json"
 # cache, the trackers), and so all that --overwrite deletes; anything else there is the user's and is kept.
 RUN_FILES = (
     RUN_MARKER, "resolved_recipe.yaml", "metrics.jsonl", "base_eval.json", "report.json",
-    "acceptance_base_vs_best.png",
+    "acceptance_base_vs_best.png", "search.json", "speed_by_kind.png",
 )  # fmt: skip
-RUN_DIRS = ("checkpoints", "best", "draft_init", "rollout_cache", "wandb")
+# candidates: the runs of a multi-kind run's kinds
+RUN_DIRS = ("checkpoints", "best", "draft_init", "rollout_cache", "wandb", "candidates")
 
 
 def is_run_dir(path: Path) -> bool:

@@ -47,6 +47,8 @@ def tracker_setup(
     os.environ.setdefault("WANDB_DIR", str(output_dir))
     os.environ.setdefault("WANDB_SILENT", "true")
     init = {"name": log.run_name or shown.name, "dir": str(output_dir)}
+    if log.group:
+        init["group"] = log.group
     if run_id:
         init.update(id=run_id, resume="allow")
     return ["wandb"], {"wandb": init}
