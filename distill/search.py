@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from decode import kinds as registry
-from distill.config import AUTO, Recipe, RecipeError, build_recipe, is_multi_kind
-from distill.training.checkpoints import CheckpointInfo, _versus, clearly_slower, select_best
+from distill.config import AUTO, Recipe, RecipeError, build_recipe
+from distill.training.checkpoints import CheckpointInfo, clearly_slower, select_best, versus
 
 CANDIDATES_DIR = "candidates"  # OUT/candidates/<kind>: each candidate's own run directory
 SEARCH_FILE = "search.json"  # OUT/search.json: the candidates, the rounds and the drops (--resume reads it)
@@ -61,14 +61,14 @@ def load_plan(data: dict) -> KindSearch | None:
             setting a shared key, a data source the candidates cannot share, a kind of the list that cannot train
             on this recipe (naming why), or an auto list where no kind fits.
     """
-    if not is_multi_kind(data):
+    given = (data.get("draft") or {}).get("kind") if isinstance(data.get("draft"), dict) else None
+    if not (isinstance(given, list) or given == AUTO):
         if "candidates" in data:
             raise RecipeError(
                 "candidates: per-kind sections need draft.kind to be a list of kinds or auto: set draft.kind, or "
                 "remove candidates"
             )
         return None
-    given = data["draft"]["kind"]
     sections = data.get("candidates") or {}
     if not isinstance(sections, dict):
         raise RecipeError(f"candidates: expected a mapping of kind -> keys, got {sections!r}")
@@ -150,10 +150,12 @@ def candidate_data(data: dict, kind: str, section: dict, out: Path) -> dict:
     draft = mine.setdefault("draft", {})
     draft["kind"] = kind
     traits = registry.traits(kind)
-    if draft.get("model") and not traits.loads_draft_model and folder_of(draft["model"]) not in traits.folder_kinds:
-        # the given draft is for the kinds that load one; this kind builds its draft from the target
-        draft.pop("model")
-        draft.pop("init", None)
+    own_folder = bool(draft.get("model")) and folder_of(draft["model"]) in traits.folder_kinds
+    if not traits.loads_draft_model and not own_folder:
+        # the given draft (or draft.init) is for the kinds that load a draft LM; this kind builds its own from the
+        # target
+        for key in ("model", "init", "init_layers"):
+            draft.pop(key, None)
     for key, value in flat_items(section):
         set_dotted(mine, key, copy.deepcopy(value))
     mine["output_dir"] = str(out / CANDIDATES_DIR / kind)
@@ -234,7 +236,7 @@ def to_drop(measured: dict[str, CheckpointInfo]) -> dict[str, str]:
         (k for k, v in measured.items() if k != fastest and clearly_slower(v, fastest_info)),
         key=lambda k: measured[k].speedup,
     )
-    return {k: f"{_versus(measured[k], fastest_info)} than {fastest}" for k in slower[: len(measured) // 2]}
+    return {k: f"{versus(measured[k], fastest_info)} than {fastest}" for k in slower[: len(measured) // 2]}
 
 
 def fastest(measured: dict[str, CheckpointInfo]) -> str:

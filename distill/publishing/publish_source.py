@@ -151,7 +151,8 @@ def resolve_source(source: str | Path) -> PublishSource:
         if not isinstance(report, dict) or not isinstance(report.get("best"), dict):
             raise PublishError(f"{source / 'report.json'} has no 'best' entry")
         found = PublishSource(source / "best", report["best"], "best", report, step=report.get("best_step"))
-        run_dirs = [source]
+        # a multi-kind run's own recipe lists its candidates; the winner's recipe is the one best/ holds
+        run_dirs = [source / "best", source] if (source / "search.json").is_file() else [source]
     elif (source / "eval.json").is_file():
         run_dirs = [source, source.parent, source.parent.parent]  # best/ or checkpoints/step-N/
         report_file = next((d / "report.json" for d in run_dirs[1:] if (d / "report.json").is_file()), None)

@@ -354,7 +354,7 @@ def rank_key(info: CheckpointInfo) -> tuple[float, float, int]:
     return (info.speedup, info.tau if info.tau is not None else info.acceptance_rate, info.step)
 
 
-def _tokens_per_pass(challenger: CheckpointInfo, incumbent: CheckpointInfo) -> tuple[float, float]:
+def tokens_per_pass(challenger: CheckpointInfo, incumbent: CheckpointInfo) -> tuple[float, float]:
     """The timing-free figure two checkpoints are compared by: tau when both have it, else the acceptance rate.
 
     At a fixed gamma the two order checkpoints alike (tau = 1 + gamma x acceptance, but for the last rounds);
@@ -409,7 +409,7 @@ def beats(challenger: CheckpointInfo, incumbent: CheckpointInfo) -> bool:
         return True
     elif incumbent.interval[0] > challenger.speedup:
         return False
-    mine, theirs = _tokens_per_pass(challenger, incumbent)
+    mine, theirs = tokens_per_pass(challenger, incumbent)
     if mine != theirs:
         return mine > theirs
     return challenger.step > incumbent.step
@@ -439,7 +439,7 @@ def select_best(infos: list[CheckpointInfo]) -> CheckpointInfo:
     return best
 
 
-def _versus(a: CheckpointInfo, b: CheckpointInfo) -> str:
+def versus(a: CheckpointInfo, b: CheckpointInfo) -> str:
     """How `a` compares with `b` in words: "faster", "slower" or "inside the noise", with the figure that says so
     (the paired interval where both carry per-batch speedups on the same prompts, else both own intervals)."""
     paired = paired_ratio_ci95(a, b)
@@ -465,11 +465,11 @@ def selection_note(infos: list[CheckpointInfo], base: CheckpointInfo | None = No
     others = [i for i in infos if i.step != best.step]
     if others:
         fastest = max(others, key=lambda i: i.speedup)
-        verdict = _versus(best, fastest)
+        verdict = versus(best, fastest)
         if verdict.startswith("faster"):
             lines.append(f"best/ (step {best.step}) is {verdict} than the next fastest, step {fastest.step}.")
         else:
-            mine, theirs = _tokens_per_pass(best, fastest)
+            mine, theirs = tokens_per_pass(best, fastest)
             decided = (
                 f"the more tokens per target pass decided ({mine:.2f} against {theirs:.2f})"
                 if mine != theirs
@@ -480,7 +480,7 @@ def selection_note(infos: list[CheckpointInfo], base: CheckpointInfo | None = No
                 f"the measurement could not separate them, so {decided}."
             )
     if base is not None and base.step != best.step:
-        verdict = _versus(best, base)
+        verdict = versus(best, base)
         if not verdict.startswith("faster"):
             lines.append(
                 f"Against the base draft, best/ is {verdict}: the training's gain is not shown beyond the timing "

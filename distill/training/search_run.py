@@ -22,7 +22,13 @@ import yaml
 
 from distill import search
 from distill.config import Recipe, RecipeError, build_recipe
-from distill.training.checkpoints import CheckpointInfo, _tokens_per_pass, _versus, write_json_atomic
+from distill.training.checkpoints import (
+    CheckpointInfo,
+    tokens_per_pass,
+    versus,
+    write_json_atomic,
+    write_text_atomic,
+)
 from distill.training.run_state import RUN_MARKER, export_best, read_eval
 
 PLOT = "speed_by_kind.png"
@@ -98,6 +104,8 @@ def check_plan(plan: search.KindSearch, resume: bool) -> None:
             "python train/distill.py or accelerate launch --num_processes 1"
         )
     auto = plan.data["draft"]["kind"] == search.AUTO
+    for kind, why in plan.skipped.items():
+        print(f"draft.kind=auto: {kind} left out: {why}")
     for kind in list(plan.kinds):
         try:
             distributed.check_launch(plan.recipes[kind])
@@ -108,6 +116,7 @@ def check_plan(plan: search.KindSearch, resume: bool) -> None:
             if not auto:
                 raise RecipeError(f"draft.kind: {kind} cannot serve this target: {why}") from None
             plan.skipped[kind] = why
+            print(f"draft.kind=auto: {kind} left out: {why}")
             plan.kinds.remove(kind)
             del plan.recipes[kind]
     if not plan.kinds:
@@ -153,10 +162,8 @@ def run_search(
     check_plan(plan, args.resume)
     out = plan.out.resolve()
     plan.out = out
-    for kind, why in plan.skipped.items():
-        print(f"draft.kind=auto: {kind} left out: {why}")
     prepare_output_dir(out, args.resume, args.overwrite, run_inputs(plan.base, args.recipe))
-    (out / "resolved_recipe.yaml").write_text(yaml.safe_dump(plan.data, sort_keys=False))
+    write_text_atomic(out / "resolved_recipe.yaml", yaml.safe_dump(plan.data, sort_keys=False))
     state = read_state(out) if args.resume else None
     shared, eval_rows, generation_s = generate_once(plan, state)
     if state is None:
@@ -427,10 +434,10 @@ def selection_words(out: Path, state: dict) -> list[str]:
     if not others:
         return [f"best/ is {win}'s best/: the only candidate."]
     runner = max(others, key=lambda k: others[k].speedup)
-    verdict = _versus(infos[win], others[runner])
+    verdict = versus(infos[win], others[runner])
     if verdict.startswith("faster"):
         return [f"best/ is {win}'s best/, {verdict} than {runner}'s, the next fastest candidate."]
-    mine, theirs = _tokens_per_pass(infos[win], others[runner])
+    mine, theirs = tokens_per_pass(infos[win], others[runner])
     decided = (
         f"the more tokens per target pass decided ({mine:.2f} against {theirs:.2f})"
         if mine != theirs
