@@ -161,8 +161,8 @@ def test_the_plan_gives_each_candidate_its_own_recipe_and_shares_the_rest(paths,
         ),
         (
             lambda d: d["train"].update(max_minutes=0.05),
-            "train.max_minutes=0.05 is too small for 3 candidates: each needs search.min_minutes=0.02 before its first "
-            "measurement, over 2 halving round(s) with search.explore=0.5: set train.max_minutes >= 0.24",
+            "train.max_minutes=0.05 is too small for 3 candidates: each needs search.min_minutes=0.02 before its "
+            "first measurement, over 2 halving round(s) with search.explore=0.5: set train.max_minutes >= 0.24",
         ),
     ],
     ids=[
@@ -299,6 +299,7 @@ def test_publish_takes_the_winner_of_a_multi_kind_run(search_run, tmp_path):
 @pytest.mark.slow
 def test_resume_continues_a_stopped_multi_kind_run_and_refuses_another_list(paths, tmp_path):
     data = base_data(paths, tmp_path / "run", minutes=0.4)
+    data["train"]["mixed_precision"] = "bf16"  # not the generation's accelerator's: each candidate makes its own
     proc = launch(data, tmp_path)
     state_file = tmp_path / "run" / "search.json"
     deadline = time.time() + 300

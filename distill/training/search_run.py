@@ -308,7 +308,17 @@ def run_candidate(
         plan.data, kind, (plan.data.get("candidates") or {}).get(kind) or {}, plan.out
     ))  # fmt: skip
     recipe.train.max_minutes = horizon(plan)  # the lr schedule's horizon: the same in every round
+    fresh_accelerate_state()
     run_one(recipe, own, on_step=on_step, shared=replace(shared, stop_minutes=stop))
+
+
+def fresh_accelerate_state() -> None:
+    """Forget the Accelerator of the generation or of the previous candidate: each candidate's run makes its own
+    (accelerate keeps one per process, and refuses another mixed precision otherwise)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 def horizon(plan: search.KindSearch) -> float:
