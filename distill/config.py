@@ -57,7 +57,8 @@ def _kind_help() -> str:
         )
         return f"{t.name}: {t.description}{block}, {source} (decode.kinds.{t.name})"
 
-    return "; ".join(one(t) for t in kinds.KINDS.values()) + "; docs/draft-kinds.md"
+    several = "; or a list of kinds, or auto: train them on one clock and keep the fastest (docs/kind-search.md)"
+    return "; ".join(one(t) for t in kinds.KINDS.values()) + "; docs/draft-kinds.md" + several
 
 
 def _readers(key: str) -> str:

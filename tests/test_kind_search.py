@@ -212,6 +212,18 @@ def test_each_candidate_is_a_wandb_run_in_the_runs_group(tmp_path, monkeypatch):
     assert "group" not in init["wandb"]
 
 
+def test_overwrite_empties_the_runs_own_continuation_cache_but_no_cache_the_recipe_names(paths, tmp_path):
+    from distill.training.run_state import run_inputs
+    from distill.training.search_run import own_inputs
+
+    plan = search.load_plan(base_data(paths, tmp_path / "run"))
+    assert "distill.cache_dir" not in own_inputs(plan, run_inputs(plan.base, None))
+    data = base_data(paths, tmp_path / "run")
+    data["distill"]["cache_dir"] = str(tmp_path / "run" / "mine")
+    plan = search.load_plan(data)
+    assert own_inputs(plan, run_inputs(plan.base, None))["distill.cache_dir"] == str(tmp_path / "run" / "mine")
+
+
 def test_a_single_kind_recipe_refuses_candidates_sections():
     with pytest.raises(RecipeError, match="candidates: per-kind sections need draft.kind to be a list"):
         search.load_plan({"draft": {"kind": "eagle3"}, "candidates": {"eagle3": {}}})

@@ -162,7 +162,7 @@ def run_search(
     check_plan(plan, args.resume)
     out = plan.out.resolve()
     plan.out = out
-    prepare_output_dir(out, args.resume, args.overwrite, run_inputs(plan.base, args.recipe))
+    prepare_output_dir(out, args.resume, args.overwrite, own_inputs(plan, run_inputs(plan.base, args.recipe)))
     write_text_atomic(out / "resolved_recipe.yaml", yaml.safe_dump(plan.data, sort_keys=False))
     state = read_state(out) if args.resume else None
     shared, eval_rows, generation_s = generate_once(plan, state)
@@ -177,6 +177,14 @@ def run_search(
     while not state["finished"]:
         run_round(plan, state, shared, args, run_one, on_step)
     finish(plan, state, eval_rows, final_recipe(plan, state["winner"]))
+
+
+def own_inputs(plan: search.KindSearch, inputs: dict[str, str | None]) -> dict[str, str | None]:
+    """The run's inputs (what --overwrite must not delete) less the continuation cache the run itself keeps in
+    OUT/rollout_cache when the recipe sets no distill.cache_dir: --overwrite empties it with the rest."""
+    if not (plan.data.get("distill") or {}).get("cache_dir"):
+        inputs = {k: v for k, v in inputs.items() if k != "distill.cache_dir"}
+    return inputs
 
 
 def generate_once(plan: search.KindSearch, state: dict | None) -> tuple[Shared, list, float]:
