@@ -12,12 +12,14 @@ measurements; OUT/report.json the candidates side by side; OUT/best/ the winner'
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from distill import search
@@ -63,8 +65,6 @@ class MultiRecorder:
         hidden = states.shape[-1] // len(self.layers)
         parts = states.split(hidden, dim=-1)
         for recorder, pick in zip(self.recorders, self.picks):
-            import torch
-
             recorder.seen(rows, logits, torch.cat([parts[i] for i in pick], dim=-1), valid)
 
     def finish(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> None:
@@ -142,12 +142,9 @@ def check_plan(plan: search.KindSearch, resume: bool) -> None:
 
 
 def read_state(out: Path) -> dict | None:
+    """search.json of the run in ``out``, or None before it has one."""
     path = out / search.SEARCH_FILE
-    if not path.is_file():
-        return None
-    import json
-
-    return json.loads(path.read_text())
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 # ---------------------------------------------------------------- the run
@@ -199,7 +196,7 @@ def generate_once(plan: search.KindSearch, state: dict | None) -> tuple[Shared, 
     from distill.training.run_state import RunClock
 
     base = plan.base
-    accelerator = Accelerator(cpu=not _has_cuda())
+    accelerator = Accelerator()  # for the generation alone; each candidate's run makes its own
     tokenizer = models.load_tokenizer(base.target.model, base.target, key="target.model")
     target = models.load_target(base.target, device=accelerator.device)
     vocab_size = models.check_compatible(target, target, tokenizer, tokenizer)
@@ -213,12 +210,6 @@ def generate_once(plan: search.KindSearch, state: dict | None) -> tuple[Shared, 
     pregenerate(base, source, train_prompts, accelerator, timer, None, recorder, clock=RunClock())
     generation_s = timer.elapsed_s if state is None else state["generation_minutes"] * 60.0
     return Shared(target, tokenizer, teachers, 0.0), eval_rows, generation_s
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def new_state(plan: search.KindSearch, generation_s: float) -> dict:
@@ -392,8 +383,6 @@ def finish(plan: search.KindSearch, state: dict, eval_rows: list, final: Recipe)
 def candidate_row(out: Path, kind: str, state: dict) -> dict:
     """One candidate in report.json: its figures at its best/, its curve of speed against training minutes, and
     its fate (dropped when and why, or kept to the end)."""
-    import json
-
     report = json.loads((candidate_dir(out, kind) / "report.json").read_text())
     best = report["best"]
     return {
@@ -417,8 +406,6 @@ def candidate_row(out: Path, kind: str, state: dict) -> dict:
 def search_report(out: Path, state: dict) -> dict:
     """report.json of a multi-kind run: the winner's base/best/checkpoints (what publish reads, as from any run),
     every candidate side by side, the rounds, the clock, and in words what decided."""
-    import json
-
     win = state["winner"]
     own = json.loads((candidate_dir(out, win) / "report.json").read_text())
     rows = [candidate_row(out, k, state) for k in state["kinds"]]
