@@ -20,6 +20,7 @@ The loop and the run:
     checkpoints    atomic writes, resume from the newest complete checkpoint, best by measured speedup
     run_state      the run directory: output_dir checks, best/, report.json, the run's clock
     interrupt      Ctrl-C and SIGTERM: finish the step, save its resume state, stop
+    search_run     a multi-kind run: one generation, the candidates in rounds on one clock, the fastest kept
 
 Pretraining:
     pretraining    a causal LM from scratch on a local corpus, and the cached quickstart pair
