@@ -12,6 +12,7 @@ measurements; OUT/report.json the candidates side by side; OUT/best/ the winner'
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -303,9 +304,7 @@ def run_candidate(
         recipe=args.recipe, resume=started, overwrite=False, allow_recipe_change=False, rebuild=False,
         print_config=False, overrides=[],
     )  # fmt: skip
-    recipe = build_recipe(search.candidate_data(
-        plan.data, kind, (plan.data.get("candidates") or {}).get(kind) or {}, plan.out
-    ))  # fmt: skip
+    recipe = copy.deepcopy(plan.recipes[kind])  # the run fills in and turns off keys of the recipe it is given
     recipe.train.max_minutes = horizon(plan)  # the lr schedule's horizon: the same in every round
     fresh_accelerate_state()
     run_one(recipe, own, on_step=on_step, shared=replace(shared, stop_minutes=stop))
