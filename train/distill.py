@@ -231,7 +231,7 @@ def run(
     if accelerator.is_main_process and recipe.train.mixed_precision == "auto":
         print(f"mixed precision: {mixed_precision} (auto)")
     # distill.cache_teacher: the target's side of sequences that come back in later epochs
-    teachers = kind.cache_teacher(recipe, target) if shared is None else shared.teachers.get(recipe.draft.kind)
+    teachers = kind.cache_teacher(recipe, target) if shared is None else shared.teachers_of(kind)
     source, pregen = None, Timer(0.0)
     if draft is None:  # built from the target's continuations (a head counts its draft vocabulary on them)
         source = build_source(recipe, target, tokenizer, out, rank, vocab_size)

@@ -46,6 +46,10 @@ class Shared:
     teachers: dict[str, Any]  # kind -> its store of the target's side (distill.cache_teacher), or None
     stop_minutes: float  # the candidate's training minutes this round ends at
 
+    def teachers_of(self, kind: Any) -> Any:
+        """The store of the target's side kept for ``kind`` (its training module), or None."""
+        return self.teachers.get(kind.TRAITS.name)
+
 
 class MultiRecorder:
     """Several kinds' generation recorders fed by one generation: the target's forwards give the hidden states of
