@@ -21,6 +21,7 @@ from typing import Any
 from decode import kinds as registry
 from distill.config import AUTO, Recipe, RecipeError, build_recipe
 from distill.training.checkpoints import CheckpointInfo, clearly_slower, select_best, versus
+from distill.training.run_state import flatten
 
 CANDIDATES_DIR = "candidates"  # OUT/candidates/<kind>: each candidate's own run directory
 SEARCH_FILE = "search.json"  # OUT/search.json: the candidates, the rounds and the drops (--resume reads it)
@@ -86,7 +87,7 @@ def load_plan(data: dict) -> KindSearch | None:
     recipes, skipped = {}, {}
     for kind in names:
         try:
-            recipes[kind] = build_recipe(candidate_data(data, kind, sections.get(kind) or {}, out))
+            recipes[kind] = build_recipe(candidate_data(data, kind, out))
         except RecipeError as err:
             if not auto:
                 raise RecipeError(f"draft.kind: {kind} cannot train on this recipe: {err}") from None
@@ -115,7 +116,7 @@ def check_section(kind: str, section: Any) -> None:
     """candidates.<kind>: a mapping of the kind's own keys (nested or dotted), none of SHARED_KEYS."""
     if not isinstance(section, dict):
         raise RecipeError(f"candidates.{kind}: expected a mapping of recipe keys, got {section!r}")
-    for key, _ in flat_items(section):
+    for key in flatten(section):
         shared = any(key == s or (s.endswith(".") and key.startswith(s)) for s in SHARED_KEYS)
         if shared and key not in OWN_EVAL_KEYS:
             raise RecipeError(
@@ -142,10 +143,11 @@ def check_shared_source(data: dict) -> None:
         )
 
 
-def candidate_data(data: dict, kind: str, section: dict, out: Path) -> dict:
+def candidate_data(data: dict, kind: str, out: Path) -> dict:
     """One candidate's recipe data: the shared keys, draft.kind, its own section, its run directory under ``out``,
     the shared cache of the target's continuations, a W&B run of its own in the run's group, and nothing that
     happens once at the end (extra engines, GGUF export, publish: the run does them for the winner)."""
+    section = (data.get("candidates") or {}).get(kind) or {}
     mine = copy.deepcopy({k: v for k, v in data.items() if k != "candidates"})
     draft = mine.setdefault("draft", {})
     draft["kind"] = kind
@@ -156,7 +158,7 @@ def candidate_data(data: dict, kind: str, section: dict, out: Path) -> dict:
         # target
         for key in ("model", "init", "init_layers"):
             draft.pop(key, None)
-    for key, value in flat_items(section):
+    for key, value in flatten(section).items():
         set_dotted(mine, key, copy.deepcopy(value))
     mine["output_dir"] = str(out / CANDIDATES_DIR / kind)
     mine.setdefault("distill", {}).setdefault("cache_dir", str(out / "rollout_cache"))
@@ -177,15 +179,6 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
             tree[part] = {}
         tree = tree[part]
     tree[last] = value
-
-
-def flat_items(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
-    """{"draft": {"block_size": 6}, "train.lr": 1} -> [("draft.block_size", 6), ("train.lr", 1)]."""
-    items = []
-    for key, value in tree.items():
-        full = f"{prefix}{key}"
-        items += flat_items(value, full + ".") if isinstance(value, dict) and value else [(full, value)]
-    return items
 
 
 def folder_of(path: str) -> str | None:

@@ -83,7 +83,7 @@ class MultiRecorder:
 def final_recipe(plan: search.KindSearch, kind: str) -> Recipe:
     """The recipe of ``kind`` as the run's end uses it for the winner: its candidate recipe with the run's own
     extra engines, GGUF export and publish keys."""
-    data = search.candidate_data(plan.data, kind, (plan.data.get("candidates") or {}).get(kind) or {}, plan.out)
+    data = search.candidate_data(plan.data, kind, plan.out)
     for section in ("eval", "export", "publish"):
         given = plan.data.get(section) or {}
         for key in ("extra_engines", "gguf", "push_to_hub"):
